@@ -1,0 +1,5 @@
+import sys
+
+from vllm_kvcomp.cli import main
+
+sys.exit(main())

@@ -1,0 +1,22 @@
+"""Compression policies: pure functions of K, V, window queries and per-request state."""
+
+from vllm_kvcomp.policies.base import (
+    Compensation,
+    LayerKV,
+    Policy,
+    RequestState,
+    ScorePolicy,
+    Selection,
+)
+from vllm_kvcomp.policies.registry import available, get_policy_class
+
+__all__ = [
+    "Compensation",
+    "LayerKV",
+    "Policy",
+    "RequestState",
+    "ScorePolicy",
+    "Selection",
+    "available",
+    "get_policy_class",
+]

@@ -1,0 +1,308 @@
+"""The policy interface: policies decide *what each KV head keeps*; they never move memory.
+
+Shapes (one request, one layer):
+  keys, values  [H_kv, N, D]  as cached (post-RoPE). Head h holds valid tokens in the suffix
+                              ``[N - lengths[h], N)`` (right-aligned, as the engine stores them).
+  positions     [H_kv, N]     logical position of each slot (-1 where invalid); None = ``arange(N)``.
+  queries       [H_q, w, D]   post-RoPE queries of the last w processed tokens, whose logical
+                              positions are ``query_positions`` [w]; None when not captured.
+
+A policy returns one :class:`Selection` per layer: per KV head the sorted, unique slot indices to
+keep (counts may differ per head) and optional compensation entries (k̂, v̂, N_dropped).
+
+GQA reduction rule: query-head statistics reduce to their KV head by the **mean over the query
+group** (query head q belongs to KV head ``q // (H_q // H_kv)``), see :func:`reduce_gqa`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+import torch
+
+from vllm_kvcomp.spec import COMMON_PARAMS, CompressionSpec, Param, SpecError, kept_count
+
+
+@dataclass
+class LayerKV:
+    """What a policy sees of one layer of one request."""
+
+    keys: torch.Tensor  # [H_kv, N, D]
+    values: torch.Tensor  # [H_kv, N, D]
+    layer: int = 0
+    num_layers: int = 1
+    lengths: torch.Tensor | None = None  # [H_kv] int64, valid suffix per head; None = all N
+    positions: torch.Tensor | None = None  # [H_kv, N] int64 logical positions; None = arange(N)
+    queries: torch.Tensor | None = None  # [H_q, w, D]
+    query_positions: torch.Tensor | None = None  # [w] int64; None = the last w of arange(N)
+    scale: float | None = None  # softmax scale; None = D ** -0.5
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.scale if self.scale is not None else self.keys.shape[-1] ** -0.5
+
+    def valid_lengths(self) -> torch.Tensor:
+        """[H_kv] int64 number of valid (right-aligned) slots per head."""
+        if self.lengths is None:
+            return torch.full((self.num_kv_heads,), self.num_slots, dtype=torch.long)
+        return self.lengths.to(torch.long).cpu()
+
+    def valid_mask(self) -> torch.Tensor:
+        """[H_kv, N] bool, True where the slot holds a live token."""
+        start = self.num_slots - self.valid_lengths()
+        return torch.arange(self.num_slots).unsqueeze(0) >= start.unsqueeze(1)
+
+    def slot_positions(self) -> torch.Tensor:
+        """[H_kv, N] int64 logical positions (-1 where invalid)."""
+        if self.positions is not None:
+            return self.positions.to(torch.long).cpu()
+        pos = torch.arange(self.num_slots).expand(self.num_kv_heads, -1).clone()
+        return pos.masked_fill(~self.valid_mask(), -1)
+
+    def window_query_positions(self) -> torch.Tensor:
+        """[w] int64 logical positions of ``queries``."""
+        if self.query_positions is not None:
+            return self.query_positions.to(torch.long).cpu()
+        w = 0 if self.queries is None else self.queries.shape[1]
+        last = int(self.slot_positions().max()) + 1
+        return torch.arange(last - w, last)
+
+
+@dataclass
+class Compensation:
+    """RazorAttention's compensation token per KV head (eq. 4). ``counts[h] == 0`` turns it off."""
+
+    keys: torch.Tensor  # [H_kv, D] mean of dropped keys
+    values: torch.Tensor  # [H_kv, D] mean of dropped values
+    counts: torch.Tensor  # [H_kv] float, N_dropped
+
+
+@dataclass
+class Selection:
+    """Per KV head, the sorted unique slot indices to keep, plus optional compensation."""
+
+    indices: list[torch.Tensor]  # H_kv tensors of int64, sorted, unique, in [0, N)
+    compensation: Compensation | None = None
+
+    def counts(self) -> torch.Tensor:
+        return torch.tensor([len(i) for i in self.indices], dtype=torch.long)
+
+    def max_kept(self) -> int:
+        return max((len(i) for i in self.indices), default=0)
+
+    @classmethod
+    def keep_valid(cls, kv: LayerKV) -> Selection:
+        """Keep every live token (the no-op selection)."""
+        mask = kv.valid_mask()
+        return cls([torch.nonzero(mask[h]).flatten() for h in range(kv.num_kv_heads)])
+
+
+@dataclass
+class RequestState:
+    """Per-request memory a policy carries between compressions (one per request, all layers).
+
+    ``budget`` is the per-head kept count fixed at the first compression; decode-time
+    recompression returns to it. ``layers[i]`` is free-form per-layer policy state (H2O
+    accumulators, LagKV cursors), indexed by the *slots kept*: a policy that stores per-slot
+    tensors must gather them with the selection it returns.
+    """
+
+    prompt_len: int = 0
+    budget: int | None = None
+    compressions: int = 0
+    layers: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def layer(self, index: int) -> dict[str, Any]:
+        return self.layers.setdefault(index, {})
+
+
+# ---------------------------------------------------------------------------- shared helpers
+
+
+def reduce_gqa(per_query_head: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[H_q, ...] -> [H_kv, ...] by the mean over each KV head's query group."""
+    hq = per_query_head.shape[0]
+    if hq % num_kv_heads:
+        raise ValueError(f"{hq} query heads do not divide into {num_kv_heads} KV heads")
+    return per_query_head.reshape(num_kv_heads, hq // num_kv_heads, *per_query_head.shape[1:]).mean(1)
+
+
+def window_attention(kv: LayerKV) -> torch.Tensor:
+    """Softmax attention of the window queries over each head's live keys.
+
+    Returns [H_q, w, N] float32 probabilities, zero on invalid or future (causal) slots.
+    """
+    if kv.queries is None:
+        raise ValueError("this policy needs observation-window queries, none were captured")
+    hq, _, _ = kv.queries.shape
+    group = hq // kv.num_kv_heads
+    keys = kv.keys.float().repeat_interleave(group, dim=0)  # [H_q, N, D]
+    logits = torch.einsum("hwd,hnd->hwn", kv.queries.float(), keys) * kv.softmax_scale
+    key_pos = kv.slot_positions().repeat_interleave(group, dim=0)  # [H_q, N]
+    q_pos = kv.window_query_positions()  # [w]
+    visible = (key_pos.unsqueeze(1) >= 0) & (key_pos.unsqueeze(1) <= q_pos.view(1, -1, 1))
+    logits = logits.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.nan_to_num(probs, nan=0.0)
+
+
+def protected_topk(
+    scores: torch.Tensor,
+    keep: int | Sequence[int],
+    lengths: torch.Tensor,
+    sink: int = 0,
+    window: int = 0,
+) -> list[torch.Tensor]:
+    """Per head: first ``sink`` and last ``window`` live slots, plus the best-scored rest.
+
+    scores [H, N] (higher = keep), lengths [H] live right-aligned slots, keep per head (int or
+    list). Ties break towards the *later* slot. Returns H sorted index tensors of size
+    ``min(keep, length)``.
+    """
+    num_heads, n = scores.shape
+    keeps = [keep] * num_heads if isinstance(keep, int) else list(keep)
+    out = []
+    for h in range(num_heads):
+        length = int(lengths[h])
+        k = min(int(keeps[h]), length)
+        start = n - length
+        if k >= length:
+            out.append(torch.arange(start, n))
+            continue
+        s = min(sink, k)
+        w = min(window, k - s)
+        protected = torch.cat([torch.arange(start, start + s), torch.arange(n - w, n)])
+        middle = torch.arange(start + s, n - w)
+        rest = k - s - w
+        if rest > 0 and middle.numel():
+            mid_scores = scores[h, start + s : n - w].float()
+            # stable sort on the reversed order: equal scores prefer later slots
+            order = torch.sort(mid_scores.flip(0), descending=True, stable=True).indices[:rest]
+            chosen = middle.flip(0)[order]
+            protected = torch.cat([protected, chosen])
+        out.append(torch.sort(torch.unique(protected)).values)
+    return out
+
+
+# ---------------------------------------------------------------------------- policy base
+
+
+@dataclass
+class Policy:
+    """Base of every method. Subclasses are dataclasses whose fields are their tunables.
+
+    Field names that match :data:`COMMON_PARAMS` (ratio, budget, sink, window, lag, interval)
+    take their type and range from there; other fields must be declared in ``PARAMS``.
+    """
+
+    name: ClassVar[str] = ""
+    PARAMS: ClassVar[dict[str, Param]] = {}
+    #: True if the policy recompresses during decode at ``interval``.
+    RECOMPRESSES: ClassVar[bool] = False
+    #: Name of a calibration profile kind the policy needs ("razor", "pod") or None.
+    PROFILE: ClassVar[str | None] = None
+
+    @classmethod
+    def accepted_params(cls) -> dict[str, Param]:
+        """Keys a spec may set for this policy, with their validators."""
+        out: dict[str, Param] = {}
+        for f in fields(cls):
+            if f.name in COMMON_PARAMS:
+                out[f.name] = COMMON_PARAMS[f.name]
+            elif f.name in cls.PARAMS:
+                out[f.name] = cls.PARAMS[f.name]
+        return out
+
+    @classmethod
+    def from_spec(cls, spec: CompressionSpec) -> Policy:
+        """Instantiate with the spec's values over the defaults; raises SpecError on bad combos."""
+        kwargs = {k: v for k, v in spec.to_dict().items() if k != "policy"}
+        if "budget" in kwargs and "ratio" in {f.name for f in fields(cls)}:
+            kwargs["ratio"] = None
+        unknown = set(kwargs) - set(cls.accepted_params())
+        if unknown:
+            key = sorted(unknown)[0]
+            raise SpecError(key, f"unknown key for policy {cls.name!r}", ", ".join(cls.accepted_params()))
+        policy = cls(**kwargs)
+        policy.check()
+        return policy
+
+    def check(self) -> None:
+        """Cross-field validation; raise SpecError naming the field."""
+
+    # -- what the engine asks
+    def queries_needed(self) -> int:
+        """How many trailing queries per layer the policy reads (0 = attention-free)."""
+        return 0
+
+    def kept_for(self, n_tokens: int) -> int:
+        """Per-head kept count for ``n_tokens`` live tokens (ratio or budget of this policy)."""
+        return kept_count(n_tokens, getattr(self, "ratio", None), getattr(self, "budget", None))
+
+    def due(self, state: RequestState, num_tokens: int, steps_since: int) -> bool:
+        """Whether to recompress now, during decode (only asked if ``RECOMPRESSES``)."""
+        interval = getattr(self, "interval", None) or 1
+        return steps_since >= interval and state.budget is not None and num_tokens > state.budget
+
+    def select(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
+        """One Selection per layer. Default: :meth:`select_layer` on each layer."""
+        return [self.select_layer(kv, state) for kv in layers]
+
+    def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
+        raise NotImplementedError
+
+
+@dataclass
+class ScorePolicy(Policy):
+    """A policy defined by a per-token score: keep sink + window + top scores, same count per head."""
+
+    def score(self, kv: LayerKV, state: RequestState) -> torch.Tensor:
+        """[H_kv, N] float, higher = more important; invalid slots are ignored."""
+        raise NotImplementedError
+
+    def protected(self) -> tuple[int, int]:
+        """(sink, window) always kept."""
+        return int(getattr(self, "sink", 0) or 0), int(getattr(self, "window", 0) or 0)
+
+    def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
+        lengths = kv.valid_lengths()
+        if state.budget is None:
+            state.budget = self.kept_for(int(lengths.max()))
+        sink, window = self.protected()
+        scores = self.score(kv, state)
+        return Selection(protected_topk(scores, state.budget, lengths, sink, window))
+
+
+def entropy(probs: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Shannon entropy (nats) of probability rows along ``dim``; 0 log 0 = 0."""
+    logp = torch.where(probs > 0, probs.log(), torch.zeros_like(probs))
+    return -(probs * logp).sum(dim)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+__all__ = [
+    "Compensation",
+    "LayerKV",
+    "Policy",
+    "RequestState",
+    "ScorePolicy",
+    "Selection",
+    "ceil_div",
+    "entropy",
+    "protected_topk",
+    "reduce_gqa",
+    "window_attention",
+]

@@ -1,0 +1,293 @@
+"""CompressionSpec: the one typed, validated description of how a request's KV cache is compressed.
+
+Every route (HTTP header, request body, raw ``vllm_xargs``, Python) ends here, so validation and
+error messages are identical everywhere. ``ratio`` is the *fraction of tokens kept*
+(0.25 = 4x compression); ``budget`` is an absolute kept-token count. Give one or neither.
+
+Header grammar (``X-KV-Compression``): ``key=value`` pairs separated by ``;`` (spaces ignored),
+e.g. ``policy=lagkv; ratio=0.25; lag=128``. A bare word is the policy (``snapkv; ratio=0.5``);
+``none`` and ``full`` both mean "do not compress".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+POLICY_NAMES: tuple[str, ...] = (
+    "full",
+    "streamingllm",
+    "snapkv",
+    "h2o",
+    "knorm",
+    "sagekv",
+    "lagkv",
+    "entropy",
+    "razor",
+    "pod",
+)
+NO_COMPRESSION_WORDS = ("none", "full")
+XARGS_PREFIX = "kvcomp_"
+MAX_HEADER_LENGTH = 1024
+
+Scalar = int | float | str | bool
+
+
+class SpecError(ValueError):
+    """Invalid compression input. ``field`` names the offending key, ``allowed`` what would work."""
+
+    def __init__(self, field: str, message: str, allowed: str | None = None):
+        self.field = field
+        self.message = message
+        self.allowed = allowed
+        text = f"{field}: {message}"
+        if allowed:
+            text += f" (allowed: {allowed})"
+        super().__init__(text)
+
+
+@dataclass(frozen=True)
+class Param:
+    """One tunable of a policy: type, default and the closed range of accepted values."""
+
+    name: str
+    kind: type
+    default: Any
+    low: float | None = None
+    high: float | None = None
+    choices: tuple[str, ...] | None = None
+    help: str = ""
+
+    def allowed(self) -> str:
+        if self.choices:
+            return ", ".join(self.choices)
+        kind = "integer" if self.kind is int else "number" if self.kind is float else "string"
+        lo = "-inf" if self.low is None else f"{self.low:g}"
+        hi = "inf" if self.high is None else f"{self.high:g}"
+        if self.kind is float and self.low == 0.0 and self.high == 1.0 and self.name == "ratio":
+            return "a number in (0, 1]"
+        return f"{kind} in [{lo}, {hi}]"
+
+    def coerce(self, value: Any) -> Any:
+        """Convert ``value`` (possibly a string from a header) to this param's type, or raise."""
+        if value is None:
+            return None
+        if self.kind is str:
+            if not isinstance(value, str):
+                raise SpecError(self.name, f"expected a string, got {value!r}", self.allowed())
+            text = value.strip().lower()
+            if self.choices and text not in self.choices:
+                raise SpecError(self.name, f"unknown value {value!r}", self.allowed())
+            return text
+        if isinstance(value, bool):
+            raise SpecError(self.name, f"expected a number, got {value!r}", self.allowed())
+        try:
+            number = float(value) if isinstance(value, str) else value
+            if self.kind is int:
+                if isinstance(number, float) and not number.is_integer():
+                    raise ValueError
+                number = int(number)
+            else:
+                number = float(number)
+        except (TypeError, ValueError, OverflowError):
+            raise SpecError(self.name, f"not a valid {self.kind.__name__}: {value!r}", self.allowed()) from None
+        if isinstance(number, float) and not math.isfinite(number):
+            raise SpecError(self.name, f"must be finite, got {value!r}", self.allowed())
+        if self.low is not None and number < self.low:
+            raise SpecError(self.name, f"{number:g} is below the minimum", self.allowed())
+        if self.high is not None and number > self.high:
+            raise SpecError(self.name, f"{number:g} is above the maximum", self.allowed())
+        return number
+
+
+# Fields every policy may understand; a policy declares which of them it uses.
+COMMON_PARAMS: dict[str, Param] = {
+    p.name: p
+    for p in (
+        Param("ratio", float, None, 0.0, 1.0, help="fraction of tokens kept per head, in (0, 1]"),
+        Param("budget", int, None, 1, 1 << 24, help="absolute kept tokens per head"),
+        Param("sink", int, None, 0, 1 << 16, help="first tokens always kept"),
+        Param("window", int, None, 0, 1 << 20, help="recent tokens always kept / observed"),
+        Param("lag", int, None, 1, 1 << 16, help="LagKV partition size L"),
+        Param("interval", int, None, 1, 1 << 20, help="decode steps between recompressions"),
+    )
+}
+SPEC_FIELDS = ("policy", *COMMON_PARAMS)
+
+
+@dataclass(frozen=True)
+class CompressionSpec:
+    """A validated request spec. Unset fields mean "the policy's default".
+
+    Build it with :meth:`from_mapping` (dict / header / xargs) so values are checked; the
+    constructor alone does not validate.
+    """
+
+    policy: str = "full"
+    ratio: float | None = None
+    budget: int | None = None
+    sink: int | None = None
+    window: int | None = None
+    lag: int | None = None
+    interval: int | None = None
+    extras: Mapping[str, Scalar] = field(default_factory=dict)
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], *, field_prefix: str = "") -> CompressionSpec:
+        """Validate a flat mapping ``{"policy": ..., "ratio": ..., extra: ...}``.
+
+        ``field_prefix`` is prepended to field names in errors (e.g. ``"kv_compression."``).
+        """
+        try:
+            return cls._from_mapping(data)
+        except SpecError as err:
+            if field_prefix:
+                raise SpecError(field_prefix + err.field, err.message, err.allowed) from None
+            raise
+
+    @classmethod
+    def _from_mapping(cls, data: Mapping[str, Any]) -> CompressionSpec:
+        from vllm_kvcomp.policies.registry import get_policy_class
+
+        if not isinstance(data, Mapping):
+            raise SpecError("kv_compression", f"expected an object, got {type(data).__name__}")
+        items = {str(k).strip().lower(): v for k, v in data.items()}
+        policy = items.pop("policy", "full")
+        if not isinstance(policy, str) or policy.strip().lower() not in (*POLICY_NAMES, "none"):
+            raise SpecError("policy", f"unknown policy {policy!r}", ", ".join((*POLICY_NAMES, "none")))
+        policy = policy.strip().lower()
+        if policy == "none":
+            policy = "full"
+        policy_cls = get_policy_class(policy)
+        accepted = policy_cls.accepted_params()
+        values: dict[str, Any] = {}
+        extras: dict[str, Scalar] = {}
+        for key, raw in items.items():
+            if key not in accepted:
+                raise SpecError(key, f"unknown key for policy {policy!r}", ", ".join(["policy", *accepted]))
+            value = accepted[key].coerce(raw)
+            if key in COMMON_PARAMS:
+                values[key] = value
+            else:
+                extras[key] = value
+        if values.get("ratio") is not None and values["ratio"] <= 0.0:
+            raise SpecError("ratio", "must be greater than 0", "a number in (0, 1]")
+        if values.get("ratio") is not None and values.get("budget") is not None:
+            raise SpecError("budget", "give either ratio or budget, not both", "ratio or budget")
+        spec = cls(policy=policy, extras=extras, **values)
+        policy_cls.from_spec(spec)  # cross-field checks live with the policy
+        return spec
+
+    @classmethod
+    def from_header(cls, header: str) -> CompressionSpec:
+        """Parse an ``X-KV-Compression`` header value (see the module docstring for the grammar)."""
+        return cls.from_mapping(parse_header(header))
+
+    @classmethod
+    def from_xargs(cls, extra_args: Mapping[str, Any] | None) -> CompressionSpec | None:
+        """Read flat ``kvcomp_*`` keys from ``SamplingParams.extra_args``; None if there are none."""
+        if not extra_args:
+            return None
+        flat = {k[len(XARGS_PREFIX):]: v for k, v in extra_args.items() if k.startswith(XARGS_PREFIX)}
+        if not flat:
+            return None
+        try:
+            return cls.from_mapping(flat)
+        except SpecError as err:
+            raise SpecError(XARGS_PREFIX + err.field, err.message, err.allowed) from None
+
+    # ----------------------------------------------------------------- views
+    @property
+    def compresses(self) -> bool:
+        return self.policy != "full"
+
+    def to_dict(self) -> dict[str, Scalar]:
+        """The fields that are set, flat (extras inline)."""
+        out: dict[str, Scalar] = {"policy": self.policy}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name not in ("policy", "extras") and value is not None:
+                out[f.name] = value
+        out.update(self.extras)
+        return out
+
+    def to_xargs(self) -> dict[str, Scalar]:
+        """Flat ``kvcomp_*`` keys for ``vllm_xargs`` / ``SamplingParams.extra_args``."""
+        return {XARGS_PREFIX + k: v for k, v in self.to_dict().items()}
+
+    def to_header(self) -> str:
+        """Canonical header form, e.g. ``policy=lagkv; ratio=0.25``."""
+        return "; ".join(f"{k}={_fmt(v)}" for k, v in self.to_dict().items())
+
+    def with_defaults(self, defaults: Mapping[str, Any]) -> CompressionSpec:
+        """Fill unset fields from ``defaults`` (operator per-policy defaults), then re-validate.
+
+        A request that sets ``ratio`` or ``budget`` overrides both of the defaults' size fields.
+        """
+        mine = self.to_dict()
+        merged = {k: v for k, v in defaults.items() if k != "policy"}
+        if "ratio" in mine or "budget" in mine:
+            merged.pop("ratio", None)
+            merged.pop("budget", None)
+        merged.update(mine)
+        return CompressionSpec.from_mapping(merged)
+
+    def replace(self, **changes: Any) -> CompressionSpec:
+        return replace(self, **changes)
+
+    def build_policy(self):
+        """The policy dataclass this spec describes (defaults filled in)."""
+        from vllm_kvcomp.policies.registry import get_policy_class
+
+        return get_policy_class(self.policy).from_spec(self)
+
+
+def parse_header(header: str) -> dict[str, str]:
+    """Split a header value into a raw ``{key: value}`` dict; raises SpecError when malformed."""
+    if not isinstance(header, str):
+        raise SpecError("X-KV-Compression", "header must be text")
+    if len(header) > MAX_HEADER_LENGTH:
+        raise SpecError("X-KV-Compression", f"header is {len(header)} characters long",
+                        f"at most {MAX_HEADER_LENGTH} characters")
+    out: dict[str, str] = {}
+    parts = [p.strip() for p in header.split(";")]
+    if not any(parts):
+        raise SpecError("X-KV-Compression", "header is empty", "policy=NAME; key=value; ...")
+    for i, part in enumerate(parts):
+        if not part:
+            continue
+        if "=" not in part:
+            if i == 0:
+                out["policy"] = part
+                continue
+            raise SpecError("X-KV-Compression", f"malformed entry {part!r}", "key=value pairs separated by ';'")
+        key, _, value = part.partition("=")
+        key, value = key.strip().lower(), value.strip()
+        if not key or not value:
+            raise SpecError("X-KV-Compression", f"malformed entry {part!r}", "key=value pairs separated by ';'")
+        if key in out:
+            raise SpecError(key, "given twice in the header", "each key once")
+        out[key] = value
+    return out
+
+
+def kept_count(n_tokens: int, ratio: float | None, budget: int | None) -> int:
+    """Tokens kept out of ``n_tokens``: ``budget`` if given, else ``ceil(ratio * n)``, clamped to [1, n]."""
+    if n_tokens <= 0:
+        return 0
+    if budget is not None:
+        want = budget
+    elif ratio is not None:
+        want = math.ceil(ratio * n_tokens - 1e-9)
+    else:
+        want = n_tokens
+    return max(1, min(n_tokens, int(want)))
+
+
+def _fmt(value: Scalar) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
