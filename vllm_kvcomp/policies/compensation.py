@@ -1,0 +1,73 @@
+"""RazorAttention's compensation token in attention (eq. 5 of 003_…), as LSE merging.
+
+The compensation token (k̂, v̂) stands for N_d dropped tokens: its softmax weight is
+``N_d · exp(scale · q·k̂)``. As a partial attention result it has output v̂ and log-sum-exp
+``scale · q·k̂ + ln N_d``; merging it with the kernel's (out, lse) over the kept tokens gives the
+exact eq. 5 result. N_d = 0 gives lse = -inf, i.e. no compensation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def compensation_lse(q: torch.Tensor, k_hat: torch.Tensor, counts: torch.Tensor, scale: float) -> torch.Tensor:
+    """Log-weight of the compensation token.
+
+    q [T, H_q, D], k_hat [H_q, D] (already expanded to query heads), counts [H_q] -> [T, H_q].
+    """
+    logits = torch.einsum("thd,hd->th", q.float(), k_hat.float()) * scale
+    return logits + torch.log(counts.float()).unsqueeze(0)
+
+
+def merge_partials(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two softmax-attention partials over disjoint key sets.
+
+    out_* [T, H, D], lse_* [T, H] (natural log; -inf = empty). Returns (out [T, H, D], lse [T, H]).
+    """
+    lse = torch.logaddexp(lse_a, lse_b)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    w_a = torch.exp(lse_a - safe).nan_to_num(0.0).unsqueeze(-1)
+    w_b = torch.exp(lse_b - safe).nan_to_num(0.0).unsqueeze(-1)
+    out = out_a.float() * w_a + out_b.float() * w_b
+    return out.to(out_a.dtype), lse
+
+
+def attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain attention of one head group, returning the log-sum-exp.
+
+    q [T, H, D], k/v [S, H, D] (same head count as q), mask [T, S] bool (True = visible) or None.
+    Returns out [T, H, D], lse [T, H].
+    """
+    logits = torch.einsum("thd,shd->hts", q.float(), k.float()) * scale
+    if mask is not None:
+        logits = logits.masked_fill(~mask.unsqueeze(0), float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)  # [H, T]
+    probs = torch.exp(logits - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
+    out = torch.einsum("hts,shd->thd", probs, v.float())
+    return out.to(q.dtype), lse.transpose(0, 1)
+
+
+def compensated_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_hat: torch.Tensor,
+    v_hat: torch.Tensor,
+    counts: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Eq. 5: attention over kept keys plus the count-weighted compensation token.
+
+    q [T, H, D], k/v [S, H, D], k_hat/v_hat [H, D], counts [H] (N_d; 0 = off). Returns [T, H, D].
+    """
+    out, lse = attention_with_lse(q, k, v, scale, mask)
+    comp_lse = compensation_lse(q, k_hat, counts, scale)
+    comp_out = v_hat.float().unsqueeze(0).expand(q.shape[0], -1, -1)
+    merged, _ = merge_partials(out, lse, comp_out.to(out.dtype), comp_lse)
+    return merged
