@@ -11,13 +11,18 @@ from __future__ import annotations
 import torch
 
 
+def _acc(x: torch.Tensor) -> torch.Tensor:
+    """Accumulation copy: float64 stays float64, everything else computes in float32."""
+    return x.double() if x.dtype == torch.float64 else x.float()
+
+
 def compensation_lse(q: torch.Tensor, k_hat: torch.Tensor, counts: torch.Tensor, scale: float) -> torch.Tensor:
     """Log-weight of the compensation token.
 
     q [T, H_q, D], k_hat [H_q, D] (already expanded to query heads), counts [H_q] -> [T, H_q].
     """
-    logits = torch.einsum("thd,hd->th", q.float(), k_hat.float()) * scale
-    return logits + torch.log(counts.float()).unsqueeze(0)
+    logits = torch.einsum("thd,hd->th", _acc(q), _acc(k_hat)) * scale
+    return logits + torch.log(counts.to(logits.dtype)).unsqueeze(0)
 
 
 def merge_partials(
@@ -31,7 +36,7 @@ def merge_partials(
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     w_a = torch.exp(lse_a - safe).nan_to_num(0.0).unsqueeze(-1)
     w_b = torch.exp(lse_b - safe).nan_to_num(0.0).unsqueeze(-1)
-    out = out_a.float() * w_a + out_b.float() * w_b
+    out = _acc(out_a) * w_a + _acc(out_b) * w_b
     return out.to(out_a.dtype), lse
 
 
@@ -43,12 +48,12 @@ def attention_with_lse(
     q [T, H, D], k/v [S, H, D] (same head count as q), mask [T, S] bool (True = visible) or None.
     Returns out [T, H, D], lse [T, H].
     """
-    logits = torch.einsum("thd,shd->hts", q.float(), k.float()) * scale
+    logits = torch.einsum("thd,shd->hts", _acc(q), _acc(k)) * scale
     if mask is not None:
         logits = logits.masked_fill(~mask.unsqueeze(0), float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)  # [H, T]
     probs = torch.exp(logits - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
-    out = torch.einsum("hts,shd->thd", probs, v.float())
+    out = torch.einsum("hts,shd->thd", probs, _acc(v))
     return out.to(q.dtype), lse.transpose(0, 1)
 
 
@@ -68,6 +73,6 @@ def compensated_attention(
     """
     out, lse = attention_with_lse(q, k, v, scale, mask)
     comp_lse = compensation_lse(q, k_hat, counts, scale)
-    comp_out = v_hat.float().unsqueeze(0).expand(q.shape[0], -1, -1)
+    comp_out = _acc(v_hat).unsqueeze(0).expand(q.shape[0], -1, -1)
     merged, _ = merge_partials(out, lse, comp_out.to(out.dtype), comp_lse)
     return merged
