@@ -151,7 +151,7 @@ def window_attention(kv: LayerKV) -> torch.Tensor:
     key_pos = kv.slot_positions().repeat_interleave(group, dim=0)  # [H_q, N]
     q_pos = kv.window_query_positions()  # [w]
     visible = (key_pos.unsqueeze(1) >= 0) & (key_pos.unsqueeze(1) <= q_pos.view(1, -1, 1))
-    logits = logits.masked_fill(~visible, float("-inf"))
+    logits = logits.masked_fill(~visible.to(logits.device), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return torch.nan_to_num(probs, nan=0.0)
 
@@ -249,6 +249,15 @@ class Policy:
         """Per-head kept count for ``n_tokens`` live tokens (ratio or budget of this policy)."""
         return kept_count(n_tokens, getattr(self, "ratio", None), getattr(self, "budget", None))
 
+    def target_budget(self, n_tokens: int) -> int:
+        """Per-head count fixed at the first compression (``RequestState.budget``).
+
+        ``budget`` when given, even above ``n_tokens`` (a short prompt must not shrink the decode
+        cache below the requested size); otherwise :meth:`kept_for` of the prompt.
+        """
+        budget = getattr(self, "budget", None)
+        return int(budget) if budget is not None else self.kept_for(n_tokens)
+
     def due(self, state: RequestState, num_tokens: int, steps_since: int) -> bool:
         """Whether to recompress now, during decode (only asked if ``RECOMPRESSES``)."""
         interval = getattr(self, "interval", None) or 1
@@ -264,7 +273,11 @@ class Policy:
 
 @dataclass
 class ScorePolicy(Policy):
-    """A policy defined by a per-token score: keep sink + window + top scores, same count per head."""
+    """A policy defined by a per-token score: keep sink + window + top scores, same count per head.
+
+    ``select_layer`` = :meth:`protected_for` -> :meth:`score` -> :meth:`allocate` -> :meth:`commit`;
+    wrappers (``policies.wrappers``) reuse the same hooks with another allocation.
+    """
 
     def score(self, kv: LayerKV, state: RequestState) -> torch.Tensor:
         """[H_kv, N] float, higher = more important; invalid slots are ignored."""
@@ -274,13 +287,80 @@ class ScorePolicy(Policy):
         """(sink, window) always kept."""
         return int(getattr(self, "sink", 0) or 0), int(getattr(self, "window", 0) or 0)
 
+    def protected_for(self, kv: LayerKV, state: RequestState) -> tuple[int, int]:
+        """(sink, window) for this layer once ``state.budget`` is set; default :meth:`protected`."""
+        return self.protected()
+
+    def allocate(
+        self, scores: torch.Tensor, budget: int, lengths: torch.Tensor, sink: int, window: int
+    ) -> list[torch.Tensor]:
+        """Kept slots per head from scores [H_kv, N]; default: the same ``budget`` for every head."""
+        return protected_topk(scores, budget, lengths, sink, window)
+
+    def commit(self, kv: LayerKV, state: RequestState, selection: Selection) -> None:
+        """Update per-slot policy state to the kept slots (default: nothing to carry)."""
+
     def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
         lengths = kv.valid_lengths()
         if state.budget is None:
-            state.budget = self.kept_for(int(lengths.max()))
-        sink, window = self.protected()
-        scores = self.score(kv, state)
-        return Selection(protected_topk(scores, state.budget, lengths, sink, window))
+            state.budget = self.target_budget(int(lengths.max()))
+        sink, window = self.protected_for(kv, state)
+        scores = self.score(kv, state).float().cpu()
+        selection = Selection(self.allocate(scores, state.budget, lengths, sink, window))
+        self.commit(kv, state, selection)
+        return selection
+
+
+@dataclass
+class SlotMemory:
+    """Per-slot policy memory that survives the engine's compaction, keyed by logical position.
+
+    positions [H_kv, M] int64, ascending per head, -1 padding on the left; values [H_kv, M].
+    Build it with :meth:`kept` (gathers with the returned indices), read it with :meth:`lookup`.
+    """
+
+    positions: torch.Tensor
+    values: torch.Tensor
+
+    @classmethod
+    def kept(
+        cls, values: torch.Tensor, positions: torch.Tensor, indices: Sequence[torch.Tensor]
+    ) -> SlotMemory:
+        """Remember ``values`` [H, N] at the kept slots; ``positions`` [H, N] of the same layer."""
+        width = max((len(i) for i in indices), default=0)
+        pos = torch.full((len(indices), width), -1, dtype=torch.long)
+        val = torch.zeros((len(indices), width), dtype=values.dtype)
+        for h, idx in enumerate(indices):
+            idx = idx.to(torch.long).cpu()
+            if not len(idx):
+                continue
+            head_pos = positions[h].cpu()[idx]
+            order = torch.argsort(head_pos)
+            pos[h, width - len(idx):] = head_pos[order]
+            val[h, width - len(idx):] = values[h].cpu()[idx][order]
+        return cls(pos, val)
+
+    def lookup(self, positions: torch.Tensor, fill: float = 0) -> torch.Tensor:
+        """[H, N] remembered values at ``positions`` [H, N] (-1 = invalid); ``fill`` elsewhere."""
+        positions = positions.to(torch.long).cpu().contiguous()
+        out = torch.full(positions.shape, fill, dtype=self.values.dtype)
+        if self.positions.shape[1] == 0:
+            return out
+        idx = torch.searchsorted(self.positions, positions).clamp_max(self.positions.shape[1] - 1)
+        hit = (self.positions.gather(1, idx) == positions) & (positions >= 0)
+        return torch.where(hit, self.values.gather(1, idx), out)
+
+
+def keep_pinned(kv: LayerKV, pinned: torch.Tensor, sink: int, keep: int) -> list[torch.Tensor]:
+    """Per head: the first ``sink`` live slots, the pinned slots, then the most recent up to ``keep``.
+
+    pinned [H_kv, N] bool. For policies whose selected set stays while the recent window slides
+    (SAGE-KV, entropy-guided budgets). Returns H_kv sorted index tensors of ``min(keep, length)``.
+    """
+    n = kv.num_slots
+    recency = torch.arange(n, dtype=torch.float32) / max(n, 1)
+    scores = recency.expand(kv.num_kv_heads, -1) + 2.0 * pinned.float()
+    return protected_topk(scores, keep, kv.valid_lengths(), sink, 0)
 
 
 def entropy(probs: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -300,8 +380,10 @@ __all__ = [
     "RequestState",
     "ScorePolicy",
     "Selection",
+    "SlotMemory",
     "ceil_div",
     "entropy",
+    "keep_pinned",
     "protected_topk",
     "reduce_gqa",
     "window_attention",

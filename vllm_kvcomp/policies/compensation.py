@@ -45,12 +45,12 @@ def attention_with_lse(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain attention of one head group, returning the log-sum-exp.
 
-    q [T, H, D], k/v [S, H, D] (same head count as q), mask [T, S] bool (True = visible) or None.
-    Returns out [T, H, D], lse [T, H].
+    q [T, H, D], k/v [S, H, D] (same head count as q), mask [T, S] or per head [H, T, S] bool
+    (True = visible) or None. Returns out [T, H, D], lse [T, H].
     """
     logits = torch.einsum("thd,shd->hts", _acc(q), _acc(k)) * scale
     if mask is not None:
-        logits = logits.masked_fill(~mask.unsqueeze(0), float("-inf"))
+        logits = logits.masked_fill(~(mask if mask.dim() == 3 else mask.unsqueeze(0)), float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)  # [H, T]
     probs = torch.exp(logits - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
     out = torch.einsum("hts,shd->thd", probs, _acc(v))

@@ -1,0 +1,1 @@
+"""Test helpers (tiny models, fixtures shared across test modules)."""

@@ -1,0 +1,43 @@
+"""Helpers added to the policy base: SlotMemory, keep_pinned, target_budget, ScorePolicy hooks."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_kvcomp.policies.base import LayerKV, RequestState, SlotMemory, keep_pinned
+from vllm_kvcomp.policies.streamingllm import StreamingLLM
+
+
+def test_slot_memory_follows_positions():
+    values = torch.arange(12, dtype=torch.float32).view(2, 6)
+    positions = torch.tensor([[-1, -1, 3, 5, 8, 9], [10, 11, 12, 13, 14, 15]])
+    memory = SlotMemory.kept(values, positions, [torch.tensor([3, 5]), torch.tensor([0, 2, 4])])
+    assert memory.positions.tolist() == [[-1, 5, 9], [10, 12, 14]]
+    # a later layout: other slots, new tokens (positions 20, 21), an invalid slot
+    later = torch.tensor([[-1, 5, 9, 20], [10, 12, 14, 21]])
+    looked = memory.lookup(later, fill=-7.0)
+    assert looked.tolist() == [[-7.0, 3.0, 5.0, -7.0], [6.0, 8.0, 10.0, -7.0]]
+
+
+def test_empty_slot_memory():
+    memory = SlotMemory.kept(torch.zeros(1, 3), torch.arange(3).view(1, 3), [torch.tensor([], dtype=torch.long)])
+    assert memory.lookup(torch.arange(3).view(1, 3)).tolist() == [[0.0, 0.0, 0.0]]
+
+
+def test_keep_pinned():
+    kv = LayerKV(torch.zeros(1, 12, 2), torch.zeros(1, 12, 2))
+    pinned = torch.zeros(1, 12, dtype=torch.bool)
+    pinned[0, [4, 6]] = True
+    assert keep_pinned(kv, pinned, 2, 7)[0].tolist() == [0, 1, 4, 6, 9, 10, 11]
+
+
+def test_budget_above_prompt_is_kept_for_decode():
+    policy = StreamingLLM(budget=100)
+    state = RequestState()
+    sel = policy.select_layer(LayerKV(torch.zeros(1, 30, 2), torch.zeros(1, 30, 2)), state)
+    assert sel.counts().tolist() == [30]
+    assert state.budget == 100
+    assert not policy.due(state, 60, 20) and policy.due(state, 101, 20)
+    ratio_state = RequestState()
+    StreamingLLM(ratio=0.5).select_layer(LayerKV(torch.zeros(1, 30, 2), torch.zeros(1, 30, 2)), ratio_state)
+    assert ratio_state.budget == 15

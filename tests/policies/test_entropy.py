@@ -1,0 +1,134 @@
+"""Entropy-guided layer budgets: allocation, shared token set, decode."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_kvcomp.policies.base import LayerKV, RequestState
+from vllm_kvcomp.policies.entropy import (
+    EntropyBudget,
+    entropy_budgets,
+    layer_entropy,
+    split_layer_budget,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(0.0, 10.0), min_size=1, max_size=12),
+    st.integers(1, 500),
+    st.floats(0.0, 1.0),
+    st.floats(1.0, 8.0),
+)
+def test_budgets_average_to_target_within_bounds_and_monotone(entropies, target, min_ratio, max_ratio):
+    budgets = entropy_budgets(entropies, target, min_ratio, max_ratio)
+    low = math.ceil(min_ratio * target - 1e-9)
+    high = math.floor(max_ratio * target + 1e-9)
+    assert len(budgets) == len(entropies)
+    assert sum(budgets) == target * len(entropies)
+    assert all(low <= b <= high for b in budgets)
+    order = sorted(range(len(entropies)), key=lambda i: entropies[i])
+    for a, b in itertools.pairwise(order):
+        assert budgets[a] <= budgets[b] or (entropies[a] == entropies[b] and budgets[a] - budgets[b] <= 1)
+
+
+def test_budgets_are_proportional_when_unclipped():
+    assert entropy_budgets([1.0, 2.0, 3.0], 100, 0.0, 10.0) == [50, 100, 150]
+
+
+def test_budgets_clip_and_redistribute():
+    # proportional would be [10, 10, 280]; max 2x -> 200, the rest goes to the others evenly
+    assert entropy_budgets([1.0, 1.0, 28.0], 100, 0.0, 2.0) == [50, 50, 200]
+    assert entropy_budgets([0.0, 5.0], 10, 0.5, 2.0) == [5, 15]
+
+
+def test_equal_entropies_give_the_uniform_budget():
+    assert entropy_budgets([2.5] * 4, 37, 0.25, 2.0) == [37] * 4
+
+
+def test_split_layer_budget():
+    assert split_layer_budget(10) == (1, 5, 4)
+    assert split_layer_budget(3) == (1, 1, 1)
+    assert split_layer_budget(2) == (0, 1, 1)
+    assert split_layer_budget(1) == (0, 0, 1)
+
+
+def test_layer_entropy_uniform_and_one_hot():
+    n = 16
+    uniform = torch.full((2, 3, n), 1.0 / n)
+    assert layer_entropy(uniform) == pytest.approx(math.log(n))
+    one_hot = torch.zeros(2, 3, n)
+    one_hot[..., 4] = 1.0
+    assert layer_entropy(one_hot) == pytest.approx(0.0)
+    assert layer_entropy(torch.zeros(1, 2, n)) == 0.0  # empty rows are ignored
+
+
+def _layers(n: int = 64, heads: int = 2, dim: int = 8) -> list[LayerKV]:
+    """Layer 0: flat attention (queries 0 -> max entropy); layer 1: sharp attention on a few keys."""
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(heads, n, dim, generator=gen)
+    values = torch.randn(heads, n, dim, generator=gen)
+    flat = LayerKV(keys, values, layer=0, num_layers=2, queries=torch.zeros(heads, 4, dim))
+    sharp_q = keys[:, [10, 20, 30, 40]] * 20  # each query points at one key, strongly
+    sharp = LayerKV(keys.clone(), values.clone(), layer=1, num_layers=2, queries=sharp_q)
+    return [flat, sharp]
+
+
+def test_flat_layer_gets_more_budget_and_mean_is_target():
+    layers = _layers()
+    policy = EntropyBudget(ratio=0.25, window=4)
+    state = RequestState()
+    selections = policy.select(layers, state)
+    counts = [sel.counts()[0].item() for sel in selections]
+    assert counts[0] > counts[1]
+    assert sum(counts) == 2 * policy.kept_for(64)
+    assert state.budget == max(counts)
+
+
+def test_shared_set_is_sink_top_and_recent():
+    layers = _layers()
+    policy = EntropyBudget(ratio=0.25, window=4, min_ratio=0.75)
+    selections = policy.select(layers, RequestState())
+    kv, sel = layers[1], selections[1]
+    budget = len(sel.indices[0])
+    sink, top, recent = split_layer_budget(budget)
+    # independent aggregated attention: softmax of every window query (causal) summed over heads
+    logits = torch.einsum("hwd,hnd->hwn", kv.queries, kv.keys) * kv.keys.shape[-1] ** -0.5
+    qpos = torch.arange(64 - 4, 64)
+    logits = logits.masked_fill(torch.arange(64).view(1, 1, -1) > qpos.view(1, -1, 1), float("-inf"))
+    shared = logits.softmax(-1).sum((0, 1))
+    middle = shared[sink : 64 - recent]
+    expected = set(range(sink)) | {sink + int(i) for i in middle.topk(top).indices} | set(range(64 - recent, 64))
+    for idx in sel.indices:
+        assert set(idx.tolist()) == expected
+    assert top >= 4 and {10, 20, 30, 40} <= expected  # the sharply attended keys
+
+
+def test_decode_slides_recent_and_keeps_pinned():
+    layers = _layers()
+    policy = EntropyBudget(ratio=0.25, window=4, interval=5)
+    state = RequestState()
+    selections = policy.select(layers, state)
+    grown = []
+    kept_before = []
+    for kv, sel in zip(layers, selections):
+        idx = sel.indices[0]
+        kept_before.append(idx.tolist())
+        keys = torch.cat([kv.keys[:, idx], torch.randn(2, 5, 8)], 1)
+        values = torch.cat([kv.values[:, idx], torch.randn(2, 5, 8)], 1)
+        pos = torch.cat([idx, torch.arange(64, 69)]).expand(2, -1)
+        grown.append(LayerKV(keys, values, layer=kv.layer, num_layers=2, positions=pos))
+    assert policy.due(state, max(g.num_slots for g in grown), 5)
+    for g, sel, before in zip(grown, policy.select(grown, state), kept_before):
+        budget = len(before)
+        sink, top, recent = split_layer_budget(budget)
+        kept = g.slot_positions()[0, sel.indices[0]].tolist()
+        assert len(kept) == budget
+        assert kept[: sink + top] == before[: sink + top]
+        assert kept[sink + top :] == list(range(69 - recent, 69))

@@ -1,0 +1,102 @@
+"""AdaKV-style adaptive heads, explicit layer budgets, and the ``heads`` spec extra."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vllm_kvcomp.policies.base import LayerKV, RequestState, SlotMemory
+from vllm_kvcomp.policies.h2o import H2O
+from vllm_kvcomp.policies.knorm import KNorm
+from vllm_kvcomp.policies.snapkv import SnapKV
+from vllm_kvcomp.policies.wrappers import AdaptiveHeads, LayerBudgets, adaptive_topk
+from vllm_kvcomp.spec import CompressionSpec, SpecError
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize(("sink", "window", "floor"), [(0, 0, 0.2), (2, 3, 0.2), (1, 1, 0.0), (0, 0, 1.0)])
+def test_adaptive_topk_global_cut(seed, sink, window, floor):
+    gen = torch.Generator().manual_seed(seed)
+    heads, n, budget = 4, 40, 10
+    scores = torch.randn(heads, n, generator=gen) * torch.tensor([[0.1], [1.0], [3.0], [0.5]])
+    lengths = torch.tensor([40, 25, 8, 40])
+    kept = adaptive_topk(scores, budget, lengths, sink, window, floor)
+    assert sum(len(k) for k in kept) == sum(min(budget, int(x)) for x in lengths)
+    base = min(budget, max(sink + window, math.ceil(floor * budget)))
+    extra_kept, dropped = [], []
+    for h, idx in enumerate(kept):
+        length = int(lengths[h])
+        start = n - length
+        assert len(idx) >= min(base, length)
+        assert idx.min() >= start and bool((idx[1:] > idx[:-1]).all())
+        assert set(range(start, start + min(sink, length))) <= set(idx.tolist())
+        if length > sink + window:
+            assert set(range(n - window, n)) <= set(idx.tolist())
+        # slots beyond the head's own floor compete globally
+        live = list(range(start + sink, n - window))
+        own = sorted(live, key=lambda s: -float(scores[h, s]))[: max(0, base - sink - window)]
+        extra_kept += [float(scores[h, s]) for s in idx.tolist() if s in live and s not in own]
+        dropped += [float(scores[h, s]) for s in live if s not in set(idx.tolist())]
+    if extra_kept and dropped:
+        assert min(extra_kept) >= max(dropped)
+
+
+def test_floor_one_is_uniform():
+    scores = torch.randn(3, 20)
+    lengths = torch.full((3,), 20)
+    kept = adaptive_topk(scores, 6, lengths, 0, 0, floor=1.0)
+    assert [len(k) for k in kept] == [6, 6, 6]
+
+
+def test_heads_adaptive_through_the_spec():
+    keys = torch.randn(3, 60, 8) * torch.tensor([0.2, 1.0, 5.0]).view(3, 1, 1)
+    kv = LayerKV(keys, torch.randn(3, 60, 8))
+    policy = CompressionSpec.from_header("policy=knorm; budget=10; heads=adaptive").build_policy()
+    counts = policy.select_layer(kv, RequestState()).counts().tolist()
+    assert sum(counts) == 30 and len(set(counts)) > 1
+    assert counts[2] == 2  # big keys lose: the head only keeps its 20 % floor
+    uniform = KNorm(budget=10).select_layer(kv, RequestState()).counts().tolist()
+    assert uniform == [10, 10, 10]
+
+
+def test_adaptive_wrapper_commits_inner_state():
+    gen = torch.Generator().manual_seed(3)
+    inner = H2O(budget=8, window=2, interval=4)
+    policy = AdaptiveHeads(inner)
+    assert policy.RECOMPRESSES and policy.queries_needed() == 4
+    kv = LayerKV(torch.randn(2, 30, 4, generator=gen), torch.randn(2, 30, 4, generator=gen),
+                 queries=torch.randn(4, 4, 4, generator=gen))
+    state = RequestState()
+    sel = policy.select([kv], state)[0]
+    assert sum(sel.counts().tolist()) == 16
+    memory = state.layer(0)["acc"]
+    assert isinstance(memory, SlotMemory)
+    for h, idx in enumerate(sel.indices):
+        assert memory.positions[h][memory.positions[h] >= 0].tolist() == idx.tolist()
+
+
+def test_wrapper_needs_a_score_policy():
+    with pytest.raises(SpecError, match="inner"):
+        AdaptiveHeads(None)
+    with pytest.raises(SpecError, match="floor"):
+        AdaptiveHeads(KNorm(), floor=2.0)
+
+
+def test_layer_budgets():
+    gen = torch.Generator().manual_seed(4)
+    layers = [
+        LayerKV(torch.randn(2, 50, 8, generator=gen), torch.randn(2, 50, 8, generator=gen), layer=i, num_layers=3,
+                queries=torch.randn(2, 4, 8, generator=gen))
+        for i in range(3)
+    ]
+    policy = LayerBudgets(SnapKV(window=4, kernel=3), budgets=(5, 20, 60))
+    state = RequestState()
+    counts = [sel.counts().tolist() for sel in policy.select(layers, state)]
+    assert counts == [[5, 5], [20, 20], [50, 50]]
+    assert state.budget == 60
+    with pytest.raises(SpecError, match="budgets"):
+        LayerBudgets(SnapKV(), budgets=(5,)).select(layers, RequestState())
+    with pytest.raises(SpecError, match="budgets"):
+        LayerBudgets(SnapKV(), budgets=(5, 0, 3))

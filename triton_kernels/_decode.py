@@ -1,0 +1,147 @@
+"""``@triton.jit`` bodies of paged decode attention with per-(request, KV head) valid ranges.
+
+Stage 1 (flash-decoding): program (b, h_kv, split) attends the G query heads of KV head h_kv
+to one split of the head's valid slots ``[start, seq_len)`` and stores a normalised partial
+output and its log-sum-exp. Stage 2 merges the splits and the compensation token.
+"""
+
+import triton
+import triton.language as tl
+
+from ._paged import pv_dot, qk_dot, token_offsets
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q,  # [B, H_q, D]
+    KV,  # [num_blocks, block_size, H_kv, 2D] (strided)
+    BlockTable,  # [B, max_blocks] int32
+    SeqLens,  # [B] int32
+    Start,  # [B, H_kv] int32 (may be a stride-0 view)
+    MidO,  # [B, H_q, S, D] float32
+    MidLse,  # [B, H_q, S] float32
+    scale,
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_blk,
+    stride_tok,
+    stride_head,
+    stride_bt,
+    stride_st_b,
+    stride_st_h,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    hk = tl.program_id(1)
+    split = tl.program_id(2)
+    g = tl.arange(0, BLOCK_H)
+    hmask = g < GROUP
+    heads = hk * GROUP + g
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=hmask[:, None] & dmask[None, :], other=0.0)
+
+    seq_len = tl.load(SeqLens + b)
+    start = tl.load(Start + b * stride_st_b + hk * stride_st_h)
+    per_split = tl.cdiv(tl.maximum(seq_len - start, 0), num_splits)
+    lo = start + split * per_split
+    hi = tl.minimum(lo + per_split, seq_len)
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    bt_row = BlockTable + b * stride_bt
+    for n0 in tl.range(lo, hi, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)
+        tmask = tok < hi
+        off = token_offsets(bt_row, tok, tmask, BLOCK_SIZE, stride_blk, stride_tok) + hk * stride_head
+        kv_mask = tmask[:, None] & dmask[None, :]
+        k = tl.load(KV + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = qk_dot(q, k, DOT_F32) * scale
+        s = tl.where(hmask[:, None] & tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        v = tl.load(KV + off[:, None] + HEAD_DIM + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + pv_dot(p, v, DOT_F32)
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        m = m_new
+
+    empty = l_sum == 0.0
+    out = acc / tl.where(empty, 1.0, l_sum)[:, None]
+    lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, l_sum)))
+    row = (b * tl.num_programs(1) * GROUP + heads) * num_splits + split
+    tl.store(MidO + row[:, None] * HEAD_DIM + d[None, :], out, mask=hmask[:, None] & dmask[None, :])
+    tl.store(MidLse + row, lse, mask=hmask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    Q,  # [B, H_q, D]
+    MidO,  # [B, H_q, S, D] float32
+    MidLse,  # [B, H_q, S] float32
+    KHat,  # [B, H_kv, D] compensation key (read only if HAS_COMP)
+    VHat,  # [B, H_kv, D] compensation value
+    CompCounts,  # [B, H_kv] float32 N_d; 0 turns the token off
+    Out,  # [B, H_q, D]
+    Lse,  # [B, H_q] float32
+    scale,
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_COMP: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    hq = tl.program_id(1)
+    num_q_heads = tl.num_programs(1)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    row = b * num_q_heads + hq
+
+    m = tl.full([], float("-inf"), tl.float32)
+    l_sum = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s in range(0, num_splits):
+        part_lse = tl.load(MidLse + row * num_splits + s)
+        if part_lse > float("-inf"):
+            part = tl.load(MidO + (row * num_splits + s) * HEAD_DIM + d, mask=dmask, other=0.0)
+            m_new = tl.maximum(m, part_lse)
+            alpha = tl.exp(m - m_new)
+            w = tl.exp(part_lse - m_new)
+            acc = acc * alpha + w * part
+            l_sum = l_sum * alpha + w
+            m = m_new
+    if HAS_COMP:
+        hk = hq // GROUP
+        kv_row = b * (num_q_heads // GROUP) + hk
+        count = tl.load(CompCounts + kv_row)
+        if count > 0.0:
+            q = tl.load(Q + b * stride_qb + hq * stride_qh + d, mask=dmask, other=0.0).to(tl.float32)
+            k_hat = tl.load(KHat + kv_row * HEAD_DIM + d, mask=dmask, other=0.0).to(tl.float32)
+            v_hat = tl.load(VHat + kv_row * HEAD_DIM + d, mask=dmask, other=0.0).to(tl.float32)
+            comp_lse = tl.sum(q * k_hat, 0) * scale + tl.log(count)
+            m_new = tl.maximum(m, comp_lse)
+            alpha = tl.exp(m - m_new)
+            w = tl.exp(comp_lse - m_new)
+            acc = acc * alpha + w * v_hat
+            l_sum = l_sum * alpha + w
+            m = m_new
+    empty = l_sum == 0.0
+    out = acc / tl.where(empty, 1.0, l_sum)
+    lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, l_sum)))
+    tl.store(Out + b * stride_ob + hq * stride_oh + d, out.to(Out.dtype.element_ty), mask=dmask)
+    tl.store(Lse + row, lse)

@@ -1,0 +1,79 @@
+"""Launcher of paged decode attention with per-(request, KV head) valid ranges and LSE output."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ._decode import _decode_merge_kernel, _decode_split_kernel
+from .utils import SUPPORTED_DTYPES, CacheView, check_int_table, dot_f32, per_head
+
+
+def decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor | None = None,
+    k_hat: torch.Tensor | None = None,
+    v_hat: torch.Tensor | None = None,
+    comp_counts: torch.Tensor | None = None,
+    scale: float | None = None,
+    num_splits: int = 8,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query per request over each KV head's slots ``[start[b, h], seq_lens[b])``.
+
+    q [B, H_q, D] (H_q = G·H_kv, query head i reads KV head i // G); kv_cache
+    [num_blocks, block_size, H_kv, 2D]; block_table [B, max_blocks] int32; seq_lens [B] int32;
+    start [B] or [B, H_kv] int32 (None = 0). Compensation (RazorAttention eq. 5): k_hat/v_hat
+    [B, H_kv, D], comp_counts [B, H_kv] float32 N_d (0 = off) add a token of weight
+    N_d·exp(scale·q·k̂) and value v̂. Returns out [B, H_q, D] (q's dtype, or ``out``) and
+    lse [B, H_q] float32 (natural log, -inf where nothing is attended). ``num_splits`` is fixed
+    per call (CUDA-graph safe): each head's range is cut into that many key splits.
+    """
+    view = CacheView.of(kv_cache)
+    batch, hq, d = q.shape
+    if d != view.head_dim or hq % view.num_heads or q.stride(-1) != 1:
+        raise ValueError(f"q {tuple(q.shape)} does not match a cache of {view.num_heads} heads of dim {view.head_dim}")
+    if q.dtype not in SUPPORTED_DTYPES or kv_cache.dtype != q.dtype:
+        raise ValueError(f"q and kv_cache must share one of {SUPPORTED_DTYPES}, got {q.dtype}/{kv_cache.dtype}")
+    check_int_table("block_table", block_table, 2)
+    check_int_table("seq_lens", seq_lens, 1)
+    if start is None:
+        start = torch.zeros(1, dtype=torch.int32, device=q.device).expand(batch)
+    start = per_head(start, batch, view.num_heads, "start")
+    has_comp = comp_counts is not None
+    if has_comp:
+        shape = (batch, view.num_heads, d)
+        if k_hat is None or v_hat is None or tuple(k_hat.shape) != shape or tuple(v_hat.shape) != shape:
+            raise ValueError(f"compensation needs k_hat and v_hat of shape {shape}")
+        if tuple(comp_counts.shape) != shape[:2]:
+            raise ValueError(f"comp_counts must be [B, H_kv] = {shape[:2]}")
+        k_hat, v_hat = k_hat.contiguous(), v_hat.contiguous()
+        comp_counts = comp_counts.to(torch.float32).contiguous()
+    if num_splits < 1:
+        raise ValueError("num_splits must be >= 1")
+    scale = d**-0.5 if scale is None else scale
+    group = hq // view.num_heads
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.empty(batch, hq, dtype=torch.float32, device=q.device)
+    if batch == 0:
+        return out, lse
+    mid_o = torch.empty(batch, hq, num_splits, d, dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(batch, hq, num_splits, dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(d)
+    _decode_split_kernel[(batch, view.num_heads, num_splits)](
+        q, kv_cache, block_table, seq_lens, start, mid_o, mid_lse, scale, num_splits,
+        q.stride(0), q.stride(1), view.stride_blk, view.stride_tok, view.stride_head,
+        block_table.stride(0), start.stride(0), start.stride(1),
+        GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=32 if block_d <= 128 else 16, BLOCK_SIZE=view.block_size, DOT_F32=dot_f32(q.dtype),
+    )
+    _decode_merge_kernel[(batch, hq)](
+        q, mid_o, mid_lse, k_hat if has_comp else q, v_hat if has_comp else q,
+        comp_counts if has_comp else lse, out, lse, scale, num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, HAS_COMP=has_comp,
+    )
+    return out, lse

@@ -1,0 +1,30 @@
+"""Offline per-model calibration: RazorAttention retrieval heads, POD layer groups, JSON profiles.
+
+Importing this package is cheap; the transformers-based probing lives in :mod:`.probe`.
+"""
+
+from vllm_kvcomp.calibration.profiles import (
+    LayerGroupsProfile,
+    ModelIdentity,
+    Profile,
+    ProfileError,
+    RetrievalHeadsProfile,
+    bind_profile,
+    load_for_policy,
+    load_profile,
+    profile_path,
+    save_profile,
+)
+
+__all__ = [
+    "LayerGroupsProfile",
+    "ModelIdentity",
+    "Profile",
+    "ProfileError",
+    "RetrievalHeadsProfile",
+    "bind_profile",
+    "load_for_policy",
+    "load_profile",
+    "profile_path",
+    "save_profile",
+]

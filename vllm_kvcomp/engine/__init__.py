@@ -1,0 +1,1 @@
+"""vLLM integration: KV connector (scheduler <-> worker), attention backends, compaction."""

@@ -1,0 +1,144 @@
+"""``KVCompConnector``: vLLM KV connector that coordinates compression between scheduler and worker.
+
+Enable with one engine argument (see :func:`vllm_kvcomp.engine.plugin.kv_transfer_config`):
+``kv_transfer_config={"kv_connector": "KVCompConnector", "kv_role": "kv_both"}``.
+vLLM builds one instance per role: the scheduler role (engine core) delegates to
+:class:`KVCompScheduler`, the worker role to :class:`KVCompWorker`. Nothing is transferred:
+the connector only uses the hooks for metadata, confirmations and stats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from vllm_kvcomp.engine.metadata import StepMetadata, WorkerReport
+from vllm_kvcomp.engine.policy_factory import PolicyFactory
+from vllm_kvcomp.engine.scheduler import KVCompScheduler
+from vllm_kvcomp.engine.worker import KVCompWorker
+
+CONNECTOR_NAME = "KVCompConnector"
+
+
+@dataclasses.dataclass
+class KVCompStats(KVConnectorStats):
+    """Compression events since the last report plus the saved-blocks gauge (scheduler side)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVCompStats:
+        events = list(self.data.get("events", [])) + list(other.data.get("events", []))
+        saved = other.data.get("saved_blocks", self.data.get("saved_blocks", 0))
+        return KVCompStats(data={"events": events, "saved_blocks": saved})
+
+    def reduce(self) -> dict[str, int | float]:
+        events = self.data.get("events", [])
+        return {
+            "compressions": len(events),
+            "tokens_evicted": sum(e["tokens_evicted"] for e in events),
+            "saved_blocks": self.data.get("saved_blocks", 0),
+        }
+
+    def is_empty(self) -> bool:
+        return not self.data.get("events") and "saved_blocks" not in self.data
+
+
+class KVCompConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        block_size = vllm_config.cache_config.block_size
+        self.scheduler: KVCompScheduler | None = None
+        self.worker: KVCompWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = KVCompScheduler(block_size=block_size)
+        else:
+            factory = PolicyFactory(vllm_config.model_config.model)
+            self.worker = KVCompWorker(block_size=block_size, policy_builder=factory.build)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    # ------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        layers = get_layers_from_vllm_config(self._vllm_config, Attention, list(kv_caches))
+        isa = next((getattr(layer, "isa", "vec") for layer in layers.values()), "vec")
+        index = {name: extract_layer_index(name) for name in kv_caches}
+        self.worker.register(kv_caches, index, isa)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None and isinstance(connector_metadata, StepMetadata):
+            self.worker.bind(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        if self.worker is not None:
+            self.worker.clear_step()
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        if self.worker is not None:
+            self.worker.finish_step()
+
+    def build_connector_worker_meta(self) -> WorkerReport | None:
+        return self.worker.take_report() if self.worker is not None else None
+
+    # ------------------------------------------------------------------ scheduler side
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self.scheduler.kv_cache_manager = kv_cache_manager
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        return None
+
+    def on_new_request(self, request) -> None:
+        self.scheduler.on_new_request(request)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return self.scheduler.build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        report = connector_output.kv_connector_worker_meta
+        self.scheduler.on_worker_report(report if isinstance(report, WorkerReport) else None)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return False, self.scheduler.on_finished(request)
+
+    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, [])
+
+    def get_kv_connector_stats(self) -> KVCompStats | None:
+        if self.scheduler is None:
+            return None
+        events = [dataclasses.asdict(e) for e in self.scheduler.take_events()]
+        return KVCompStats(data={"events": events, "saved_blocks": sum(self.scheduler.freed.values())})
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVCompStats | None:
+        return KVCompStats(data=data) if data is not None else KVCompStats()

@@ -1,0 +1,323 @@
+"""Reference generation with a compressed KV cache, on HF transformers (the engine's ground truth).
+
+The oracle owns the KV cache: a custom attention function (registered as ``kvcomp_oracle``)
+receives each layer's post-RoPE q/k/v for the new tokens and attends, in float32 (float64 for a
+float64 model), over a per-(layer, KV head) store of kept tokens; HF's own cache is off. One
+request, greedy decoding. The timing, which the vLLM integration must reproduce exactly:
+
+1. **Prefill.** One forward over the whole prompt (positions ``0..P-1``) with full causal
+   attention. The last position's logits give generated token 1; its logprob is recorded.
+2. **Compression** (only if a policy other than ``full`` is given). Per layer a
+   :class:`~vllm_kvcomp.policies.base.LayerKV` is built from the store: ``keys``/``values``
+   ``[H_kv, N, D]`` post-RoPE, right-aligned (head h's ``n_h`` live tokens in slots
+   ``[N - n_h, N)``, N = max n_h, zeros elsewhere), ``lengths`` ``[H_kv]``, ``positions``
+   ``[H_kv, N]`` (logical, -1 where invalid), the last ``w = policy.queries_needed()`` post-RoPE
+   queries ``[H_q, w, D]`` (fewer if fewer were processed; None if w = 0) with their
+   ``query_positions``, ``layer``, ``num_layers`` and the attention ``scale``. Then
+   ``policy.select(layers, state)`` runs once for all layers with the request's single
+   :class:`~vllm_kvcomp.policies.base.RequestState` (``prompt_len`` = P); afterwards the oracle
+   increments ``state.compressions``. Each head keeps exactly the selected slots, in order. A
+   returned ``Compensation`` replaces the layer's compensation entries (k̂, v̂, N_d per head);
+   ``None`` leaves earlier ones unchanged.
+3. **Decode.** Each step forwards the last generated token at its *logical* position (the number
+   of tokens processed so far, never the compacted length). Per KV head, attention covers that
+   head's kept tokens, every token appended since, and the token itself, plus the compensation
+   token weighted by N_d (eq. 5, :func:`~vllm_kvcomp.policies.compensation.compensated_attention`).
+   The argmax of the logits is the next token; its log-softmax value is recorded.
+   *After* that forward, if ``policy.RECOMPRESSES`` and ``policy.due(state, num_tokens=M,
+   steps_since=S)`` — M = max live tokens over all layers and heads (kept + appended), S = decode
+   forwards since the last compression — step 2 runs again on the current stores.
+
+Compression records ``step`` = decode forwards done so far (0 = right after prefill). Query
+windows roll across prefill and decode: always the last w queries processed. Generation stops
+after ``max_new_tokens`` tokens or at a token in ``stop_token_ids`` (included in the output).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm_kvcomp.policies.base import Compensation, LayerKV, Policy, RequestState, Selection
+from vllm_kvcomp.policies.compensation import attention_with_lse, compensated_attention
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from vllm_kvcomp.calibration.profiles import Profile
+
+ATTN_IMPLEMENTATION = "kvcomp_oracle"
+_SESSION_KWARG = "kvcomp_session"
+
+
+@dataclass
+class OracleResult:
+    """Greedy tokens, their logprobs, and one record per compression (see the module docstring).
+
+    ``compressions[i]``: ``step`` (decode forwards before it), ``num_tokens`` (logical tokens
+    processed), ``kept`` (per layer, per KV head live tokens after it), ``evicted`` (tokens removed,
+    summed over layers and heads).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    compressions: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class _LayerStore:
+    """One layer's cache: per KV head a ragged list of kept tokens, plus window queries."""
+
+    keys: list[torch.Tensor]  # H_kv x [n_h, D]
+    values: list[torch.Tensor]  # H_kv x [n_h, D]
+    positions: list[torch.Tensor]  # H_kv x [n_h] int64
+    queries: torch.Tensor  # [H_q, <=w, D] last processed queries
+    query_positions: torch.Tensor  # [<=w] int64
+    scale: float
+    compensation: Compensation | None = None
+
+    def lengths(self) -> list[int]:
+        return [len(p) for p in self.positions]
+
+    def as_layer_kv(self, layer: int, num_layers: int, window: int) -> LayerKV:
+        """Right-aligned padded view (keys/values [H_kv, N, D], positions -1 where invalid)."""
+        lengths = self.lengths()
+        n = max(lengths)
+        ref = self.keys[0]
+        heads = len(self.keys)
+        keys = ref.new_zeros(heads, n, ref.shape[-1])
+        values = self.values[0].new_zeros(heads, n, self.values[0].shape[-1])
+        positions = torch.full((heads, n), -1, dtype=torch.long)
+        for h, length in enumerate(lengths):
+            keys[h, n - length:] = self.keys[h]
+            values[h, n - length:] = self.values[h]
+            positions[h, n - length:] = self.positions[h].cpu()
+        return LayerKV(
+            keys=keys,
+            values=values,
+            layer=layer,
+            num_layers=num_layers,
+            lengths=torch.tensor(lengths, dtype=torch.long),
+            positions=positions,
+            queries=self.queries if window > 0 else None,
+            query_positions=self.query_positions.cpu() if window > 0 else None,
+            scale=self.scale,
+        )
+
+    def keep(self, selection: Selection, num_slots: int) -> int:
+        """Keep the selected right-aligned slots per head; returns the number of tokens evicted."""
+        if len(selection.indices) != len(self.keys):
+            raise ValueError(f"selection has {len(selection.indices)} heads, the layer has {len(self.keys)}")
+        evicted = 0
+        for h, (index, length) in enumerate(zip(selection.indices, self.lengths())):
+            start = num_slots - length
+            index = torch.as_tensor(index, dtype=torch.long).cpu()
+            if index.numel() and (
+                int(index[0]) < start or int(index[-1]) >= num_slots or bool((index.diff() <= 0).any())
+            ):
+                raise ValueError(
+                    f"head {h}: selected slots must be sorted, unique and within the live range "
+                    f"[{start}, {num_slots}), got {index.tolist()}"
+                )
+            local = (index - start).to(self.keys[h].device)
+            self.keys[h] = self.keys[h][local]
+            self.values[h] = self.values[h][local]
+            self.positions[h] = self.positions[h][local]
+            evicted += length - index.numel()
+        if selection.compensation is not None:
+            comp = selection.compensation
+            device, dtype = self.keys[0].device, self.keys[0].dtype
+            self.compensation = Compensation(
+                comp.keys.to(device, dtype), comp.values.to(device, dtype), comp.counts.to(device).float()
+            )
+        return evicted
+
+
+class _Session:
+    """Per-generation KV store, driven by the registered attention function."""
+
+    def __init__(self, num_layers: int, window: int):
+        self.num_layers = num_layers
+        self.window = window
+        self.layers: list[_LayerStore | None] = [None] * num_layers
+        self.new_positions = torch.zeros(0, dtype=torch.long)  # [T] of the running forward
+
+    def store(self, layer: int) -> _LayerStore:
+        store = self.layers[layer]
+        if store is None:
+            raise RuntimeError(f"layer {layer} has no cache yet")
+        return store
+
+    def max_live(self) -> int:
+        return max(max(self.store(i).lengths()) for i in range(self.num_layers))
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """q [H_q, T, D], k/v [H_kv, T, D] of the new tokens -> attention output [T, H_q, D].
+
+        Appends k/v to each head's store and q to the query window.
+        """
+        heads, group = k.shape[0], q.shape[0] // k.shape[0]
+        pos = self.new_positions.to(q.device)
+        store = self.layers[layer]
+        if store is None:
+            empty = k.new_zeros(0, k.shape[-1])
+            store = _LayerStore(
+                keys=[empty] * heads,
+                values=[v.new_zeros(0, v.shape[-1])] * heads,
+                positions=[pos.new_zeros(0)] * heads,
+                queries=q.new_zeros(q.shape[0], 0, q.shape[-1]),
+                query_positions=pos.new_zeros(0),
+                scale=scale,
+            )
+            self.layers[layer] = store
+        outs = []
+        for h in range(heads):
+            store.keys[h] = torch.cat([store.keys[h], k[h]])
+            store.values[h] = torch.cat([store.values[h], v[h]])
+            store.positions[h] = torch.cat([store.positions[h], pos])
+            qh = q[h * group:(h + 1) * group].transpose(0, 1)  # [T, G, D]
+            kh = store.keys[h].unsqueeze(1).expand(-1, group, -1)  # [S, G, D]
+            vh = store.values[h].unsqueeze(1).expand(-1, group, -1)
+            mask = store.positions[h].unsqueeze(0) <= pos.unsqueeze(1)  # [T, S]
+            comp = store.compensation
+            if comp is None:
+                out, _ = attention_with_lse(qh, kh, vh, scale, mask)
+            else:
+                out = compensated_attention(
+                    qh, kh, vh,
+                    comp.keys[h].expand(group, -1), comp.values[h].expand(group, -1),
+                    comp.counts[h].expand(group), scale, mask,
+                )
+            outs.append(out)
+        if self.window:
+            store.queries = torch.cat([store.queries, q], dim=1)[:, -self.window:]
+            store.query_positions = torch.cat([store.query_positions, pos])[-self.window:]
+        return torch.cat(outs, dim=1)
+
+
+def _oracle_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """HF attention-interface function: query [1, H_q, T, D], key/value [1, H_kv, T, D] -> [1, T, H_q, D]."""
+    session = kwargs.get(_SESSION_KWARG)
+    if session is None:
+        raise RuntimeError(f"a model using {ATTN_IMPLEMENTATION!r} attention must be run by oracle.generate")
+    if query.shape[0] != 1:
+        raise ValueError("the oracle runs one sequence at a time (batch size 1)")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = session.attend(module.layer_idx, query[0], key[0], value[0], scale)
+    return out.unsqueeze(0), None
+
+
+def register_attention() -> None:
+    """Register ``kvcomp_oracle`` with transformers' attention interface (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _oracle_attention)
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A causal LM from a local HF folder, in eval mode, using the oracle's attention."""
+    from transformers import AutoModelForCausalLM
+
+    register_attention()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+    return model.eval()
+
+
+def _forward(model: PreTrainedModel, session: _Session, ids: Sequence[int], start: int) -> tuple[int, float]:
+    """Forward ``ids`` at logical positions ``start..``; greedy next token and its logprob."""
+    device = model.device
+    positions = torch.arange(start, start + len(ids), dtype=torch.long)
+    session.new_positions = positions
+    out = model(
+        input_ids=torch.tensor([list(ids)], dtype=torch.long, device=device),
+        position_ids=positions.unsqueeze(0).to(device),
+        use_cache=False,
+        logits_to_keep=1,
+        **{_SESSION_KWARG: session},
+    )
+    logits = out.logits[0, -1]
+    logprobs = torch.log_softmax(logits.double() if logits.dtype == torch.float64 else logits.float(), dim=-1)
+    token = int(torch.argmax(logits))
+    return token, float(logprobs[token])
+
+
+def _compress(
+    session: _Session, policy: Policy, state: RequestState, step: int, num_tokens: int
+) -> dict[str, Any]:
+    """Step 2 of the module docstring on every layer; returns the compression record."""
+    views = [session.store(i).as_layer_kv(i, session.num_layers, session.window) for i in range(session.num_layers)]
+    selections = policy.select(views, state)
+    if len(selections) != session.num_layers:
+        raise ValueError(f"policy {policy.name!r} returned {len(selections)} selections for {session.num_layers} layers")
+    state.compressions += 1
+    evicted = sum(session.store(i).keep(sel, views[i].num_slots) for i, sel in enumerate(selections))
+    kept = [session.store(i).lengths() for i in range(session.num_layers)]
+    return {"step": step, "num_tokens": num_tokens, "kept": kept, "evicted": evicted}
+
+
+@torch.inference_mode()
+def generate(
+    model: PreTrainedModel,
+    prompt_token_ids: Sequence[int],
+    policy: Policy | None,
+    max_new_tokens: int,
+    *,
+    profile: Profile | None = None,
+    stop_token_ids: Collection[int] = (),
+) -> OracleResult:
+    """Greedy generation with ``policy`` applied to the cache exactly as the module docstring says.
+
+    ``model`` must come from :func:`load_model` (oracle attention). ``policy`` None or ``full``
+    means no compression. ``profile`` (a calibration profile) is bound to the policy first.
+    """
+    if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        raise ValueError(f"load the model with oracle.load_model (attn_implementation={ATTN_IMPLEMENTATION!r})")
+    if not prompt_token_ids:
+        raise ValueError("prompt_token_ids is empty")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if policy is not None and profile is not None:
+        from vllm_kvcomp.calibration.profiles import bind_profile
+
+        policy = bind_profile(policy, profile)
+    compresses = policy is not None and policy.name != "full"
+    session = _Session(model.config.num_hidden_layers, policy.queries_needed() if compresses else 0)
+    state = RequestState(prompt_len=len(prompt_token_ids))
+    result = OracleResult([], [])
+
+    token, logprob = _forward(model, session, prompt_token_ids, 0)
+    processed = len(prompt_token_ids)
+    result.token_ids.append(token)
+    result.logprobs.append(logprob)
+    if compresses:
+        result.compressions.append(_compress(session, policy, state, 0, processed))
+    decode_steps = steps_since = 0
+    while len(result.token_ids) < max_new_tokens and token not in stop_token_ids:
+        token, logprob = _forward(model, session, [token], processed)
+        processed += 1
+        decode_steps += 1
+        steps_since += 1
+        result.token_ids.append(token)
+        result.logprobs.append(logprob)
+        if compresses and policy.RECOMPRESSES and policy.due(state, session.max_live(), steps_since):
+            result.compressions.append(_compress(session, policy, state, decode_steps, processed))
+            steps_since = 0
+    return result
+
+
+__all__ = ["ATTN_IMPLEMENTATION", "OracleResult", "generate", "load_model", "register_attention"]

@@ -1,0 +1,168 @@
+"""``entropy``: entropy-guided layer budgets (002_…, Algorithm 1).
+
+1. Per layer, the Shannon entropy of each query head's window attention (last ``window``
+   queries), averaged over heads and queries: the layer's importance.
+2. Layer budgets proportional to that entropy, clipped to ``[min_ratio·T, max_ratio·T]`` with the
+   proportionality constant solved so that the budgets still average to ``T = target_budget(N)``
+   (the per-head budget a uniform policy would use), then rounded by largest remainder.
+3. One shared token set per layer: slots ranked by attention summed over all heads and window
+   queries; a layer budget B_l keeps 1 sink token, ``B_l // 2`` top-ranked tokens and the rest
+   as recent window (half top-k / half recent + one sink).
+
+Heads with equal lengths (always the case after prefill) get identical indices; with ragged
+heads each head takes the shared ranking inside its own live range.
+
+Decode: the sink and the top-ranked tokens stay pinned while the recent window slides, every
+``interval`` steps, back to B_l. ``RequestState.budget`` is the largest layer budget.
+Deviation: the paper measures entropy over the whole prefill attention; the engine captures only
+the last ``window`` queries.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vllm_kvcomp.policies.base import (
+    LayerKV,
+    Policy,
+    RequestState,
+    Selection,
+    SlotMemory,
+    entropy,
+    keep_pinned,
+    protected_topk,
+    window_attention,
+)
+from vllm_kvcomp.spec import Param, SpecError
+
+
+def layer_entropy(probs: torch.Tensor) -> float:
+    """Mean Shannon entropy (nats) of the non-empty attention rows of probs [H_q, w, N]."""
+    rows = probs.float().flatten(0, 1)
+    live = rows.sum(-1) > 0
+    if not bool(live.any()):
+        return 0.0
+    return float(entropy(rows[live]).mean())
+
+
+def _solve_scale(e: torch.Tensor, low: int, high: int, total: int) -> float:
+    """Exact c with ``sum(clip(c·e, low, high)) = total``: the sum is piecewise linear in c."""
+    live = e[e > 0]
+    points = sorted({0.0, *(low / live).tolist(), *(high / live).tolist()})
+
+    def filled(c: float) -> float:
+        return float((c * e).clamp(low, high).sum())
+
+    prev = points[0]
+    for c in points:
+        if filled(c) >= total:
+            before, after = filled(prev), filled(c)
+            return c if after == before else prev + (total - before) * (c - prev) / (after - before)
+        prev = c
+    return points[-1]
+
+
+def entropy_budgets(entropies: Sequence[float], target: int, min_ratio: float, max_ratio: float) -> list[int]:
+    """Integer layer budgets ∝ entropy within ``[ceil(min_ratio·T), floor(max_ratio·T)]``.
+
+    They sum to exactly ``len(entropies) · target`` (``min_ratio ≤ 1 ≤ max_ratio``) and never
+    decrease with the entropy; equal entropies differ by at most one (rounding). When the bounds
+    cut the proportional sum short (zero-entropy layers, tight ``max_ratio``) the rest is spread
+    over the layers below the maximum.
+    """
+    num = len(entropies)
+    e = torch.tensor([max(float(x), 0.0) for x in entropies], dtype=torch.float64)
+    if num and float(e.max()) > 0:  # relative scale; negligible entropies count as zero
+        e = e / e.max()
+        e = torch.where(e < 1e-12, torch.zeros_like(e), e)
+    low = math.ceil(min_ratio * target - 1e-9)
+    high = max(math.floor(max_ratio * target + 1e-9), low)
+    if num == 0 or float(e.sum()) == 0.0 or float(e.max() - e.min()) == 0.0:
+        return [target] * num
+    total = num * target
+    exact = (_solve_scale(e, low, high, total) * e).clamp(low, high)
+    budgets = exact.floor()
+    missing = int(total - budgets.sum())
+    # largest remainder first, ties to the higher entropy (keeps budgets monotone in entropy);
+    # repeated passes only happen when the clip bounds leave the proportional sum short
+    order = sorted(range(num), key=lambda i: (-float(exact[i] - budgets[i]), -float(entropies[i]), i))
+    while missing > 0:
+        for i in order:
+            if missing > 0 and budgets[i] < high:
+                budgets[i] += 1
+                missing -= 1
+    return [int(b) for b in budgets]
+
+
+def split_layer_budget(budget: int) -> tuple[int, int, int]:
+    """(sink, top-k, recent) of a layer budget: 1 sink (from 3 tokens on), budget // 2 top-k."""
+    top = budget // 2
+    sink = 1 if budget - top >= 2 else 0
+    return sink, top, budget - top - sink
+
+
+@dataclass
+class EntropyBudget(Policy):
+    """Entropy-scaled per-layer budgets with one shared token set per layer."""
+
+    name: ClassVar[str] = "entropy"
+    RECOMPRESSES: ClassVar[bool] = True
+    PARAMS: ClassVar[dict[str, Param]] = {
+        "min_ratio": Param("min_ratio", float, 0.25, 0.0, 1.0, help="smallest layer budget / average budget"),
+        "max_ratio": Param("max_ratio", float, 2.0, 1.0, 64.0, help="largest layer budget / average budget"),
+    }
+
+    ratio: float | None = 0.5
+    budget: int | None = None
+    window: int = 32
+    interval: int = 16
+    min_ratio: float = 0.25
+    max_ratio: float = 2.0
+
+    def check(self) -> None:
+        if self.window < 1:
+            raise SpecError("window", "entropy needs at least one observation query", "integer in [1, 1048576]")
+
+    def queries_needed(self) -> int:
+        return self.window
+
+    def select(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
+        if layers and all("budget" in state.layer(kv.layer) for kv in layers):
+            return [self._slide(kv, state) for kv in layers]
+        probs = [window_attention(kv) for kv in layers]  # each [H_q, w, N]
+        longest = max((int(kv.valid_lengths().max()) for kv in layers), default=0)
+        target = self.target_budget(longest)
+        budgets = entropy_budgets([layer_entropy(p) for p in probs], target, self.min_ratio, self.max_ratio)
+        state.budget = max(budgets, default=target)
+        return [self._select_shared(kv, p, b, state) for kv, p, b in zip(layers, probs, budgets)]
+
+    def _select_shared(self, kv: LayerKV, probs: torch.Tensor, budget: int, state: RequestState) -> Selection:
+        """Shared ranking (attention summed over heads and queries) -> sink + top + recent."""
+        shared = probs.float().sum(dim=(0, 1)).cpu()  # [N]
+        sink, _, recent = split_layer_budget(budget)
+        lengths = kv.valid_lengths()
+        indices = protected_topk(shared.expand(kv.num_kv_heads, -1), budget, lengths, sink, recent)
+        start = kv.num_slots - lengths
+        slots = torch.arange(kv.num_slots).unsqueeze(0)
+        middle = (slots >= (start + sink).unsqueeze(1)) & (slots < kv.num_slots - recent)
+        kept = torch.zeros_like(middle)
+        for h, idx in enumerate(indices):
+            kept[h, idx] = True
+        memory = state.layer(kv.layer)
+        memory["budget"], memory["sink"] = budget, sink
+        memory["pinned"] = SlotMemory.kept((kept & middle).float(), kv.slot_positions(), indices)
+        return Selection(indices)
+
+    def _slide(self, kv: LayerKV, state: RequestState) -> Selection:
+        """Decode: sink + pinned top tokens + the most recent, back to the layer budget."""
+        memory = state.layer(kv.layer)
+        positions = kv.slot_positions()
+        pinned = memory["pinned"].lookup(positions) > 0
+        indices = keep_pinned(kv, pinned, memory["sink"], memory["budget"])
+        memory["pinned"] = SlotMemory.kept(pinned.float(), positions, indices)
+        return Selection(indices)

@@ -1,0 +1,74 @@
+"""``h2o``: Heavy-Hitter Oracle (Zhang et al., 2023): accumulated attention + recent window.
+
+Each KV head carries an accumulator of the attention its slots received (GQA: mean over the
+query group), stored per layer in the request state and keyed by logical position, so it follows
+the kept slots through every compaction; new slots start at 0. Each compression adds the
+attention of the window queries not yet counted (``query_positions`` above the last counted
+one), then keeps the ``window`` most recent tokens plus the heaviest hitters. Recompresses
+during decode every ``interval`` steps.
+
+Deviation: the paper accumulates over *every* query; the engine captures the last
+``max(window, interval)`` queries, so prefill contributes only its last ``window`` queries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vllm_kvcomp.policies.base import (
+    LayerKV,
+    RequestState,
+    ScorePolicy,
+    Selection,
+    SlotMemory,
+    reduce_gqa,
+    window_attention,
+)
+from vllm_kvcomp.policies.wrappers import HEADS_PARAMS, HeadsChoice
+from vllm_kvcomp.spec import Param
+
+
+@dataclass
+class H2O(HeadsChoice, ScorePolicy):
+    """Heavy hitters (accumulated attention) + recent window, recompressed during decode."""
+
+    name: ClassVar[str] = "h2o"
+    PARAMS: ClassVar[dict[str, Param]] = {**HEADS_PARAMS}
+    RECOMPRESSES: ClassVar[bool] = True
+
+    ratio: float | None = 0.5
+    budget: int | None = None
+    sink: int = 0
+    window: int = 32
+    interval: int = 16
+    heads: str = "uniform"
+
+    def queries_needed(self) -> int:
+        return max(self.window, self.interval)
+
+    def score(self, kv: LayerKV, state: RequestState) -> torch.Tensor:
+        """[H_kv, N] accumulator after adding the not-yet-counted window queries.
+
+        Does not commit: repeated calls before :meth:`commit` give the same result.
+        """
+        memory = state.layer(kv.layer)
+        positions = kv.slot_positions()
+        acc = memory["acc"].lookup(positions) if "acc" in memory else torch.zeros(positions.shape)
+        counted = int(memory.get("counted", -1))
+        query_pos = kv.window_query_positions()
+        fresh = query_pos > counted
+        if bool(fresh.any()):
+            probs = window_attention(kv)[:, fresh.to(kv.keys.device)].sum(dim=1)  # [H_q, N]
+            acc = acc + reduce_gqa(probs, kv.num_kv_heads).float().cpu()
+            counted = int(query_pos.max())
+        memory["pending"] = (acc, counted)
+        return acc
+
+    def commit(self, kv: LayerKV, state: RequestState, selection: Selection) -> None:
+        memory = state.layer(kv.layer)
+        acc, counted = memory.pop("pending")
+        memory["acc"] = SlotMemory.kept(acc, kv.slot_positions(), selection.indices)
+        memory["counted"] = counted

@@ -1,0 +1,34 @@
+"""``knorm``: keep the keys with the lowest L2 norm (Devoto et al., 2024; kvpress ``KnormPress``).
+
+Attention-free: score = -||k||₂ per head and slot. ``sink``/``window`` optionally protect the
+first / last live tokens (both 0 by default, as in kvpress). One-shot after prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vllm_kvcomp.policies.base import LayerKV, RequestState, ScorePolicy
+from vllm_kvcomp.policies.wrappers import HEADS_PARAMS, HeadsChoice
+from vllm_kvcomp.spec import Param
+
+
+@dataclass
+class KNorm(HeadsChoice, ScorePolicy):
+    """Lowest key norms, optionally plus sink and recent window."""
+
+    name: ClassVar[str] = "knorm"
+    PARAMS: ClassVar[dict[str, Param]] = {**HEADS_PARAMS}
+
+    ratio: float | None = 0.5
+    budget: int | None = None
+    sink: int = 0
+    window: int = 0
+    heads: str = "uniform"
+
+    def score(self, kv: LayerKV, state: RequestState) -> torch.Tensor:
+        """[H_kv, N] = -||k||₂ (smaller norm = more important)."""
+        return -kv.keys.float().norm(dim=-1)

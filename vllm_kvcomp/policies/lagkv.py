@@ -1,0 +1,128 @@
+"""``lagkv``: LagKV (000_…): attention-free, lag-relative scoring (eq. 5–9), recursive.
+
+Per head: keep the first ``sink`` (S) tokens; cut the rest into partitions of ``lag`` (L)
+tokens. Partition p is scored against partition p+1 (its reference): each channel of K (and
+separately V) is min-max normalised with the reference's per-channel min/max over the sequence
+(eq. 5–7); a token's score is the softmax over the partition of the channel-wise std of its
+normalised K plus the same for V (eq. 8–9). Each scored partition keeps its top
+``floor(r·L)`` tokens (at least 1; r = ``ratio``, floor as in the authors' code). The last full
+partition and the remainder stay uncompressed as the sliding window. So for
+``Ls ≥ S + 2L`` tokens the cache holds (eq. 10)
+
+    L_R = S + floor(r·L)·(floor((Ls - S)/L) - 1) + L + (Ls - S) mod L
+
+and ``Ls < S + 2L`` compresses nothing (at ``Ls = S + 2L`` the first partition already has a
+complete reference and is compressed, matching eq. 10 and the authors' ``>=``).
+
+Decode: a per-head cursor (logical position where the uncompressed tail starts) lives in the
+layer state; a recompression is due as soon as some tail holds two full partitions, and it
+compresses every partition whose reference is complete, so the cache length always equals
+eq. 10 of the total length.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vllm_kvcomp.policies.base import LayerKV, Policy, RequestState, Selection
+
+#: Smallest per-channel range of the reference partition (avoids 0/0 on constant channels).
+RANGE_EPS = 1e-6
+
+
+def _normalised_std(part: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Eq. 5–8 for one of K or V: [..., L, D] part, [..., L', D] reference -> softmax(std) [..., L]."""
+    low = ref.amin(dim=-2, keepdim=True)
+    high = ref.amax(dim=-2, keepdim=True)
+    normed = (part - low) / (high - low).clamp_min(RANGE_EPS)
+    return normed.std(dim=-1).softmax(dim=-1)
+
+
+def lagkv_scores(
+    keys_part: torch.Tensor, values_part: torch.Tensor, keys_ref: torch.Tensor, values_ref: torch.Tensor
+) -> torch.Tensor:
+    """LagKV score (eq. 9) of each token of a partition, computed in float32.
+
+    keys_part/values_part [H, L, D] (any leading dims), keys_ref/values_ref [H, L, D] the next
+    partition. Std over channels is the unbiased one (``torch.std``); the reference range is
+    clamped to ``RANGE_EPS``. Returns [H, L]; each row of each term sums to 1.
+    """
+    return _normalised_std(keys_part.float(), keys_ref.float()) + _normalised_std(
+        values_part.float(), values_ref.float()
+    )
+
+
+def lag_keep(lag: int, ratio: float) -> int:
+    """Tokens a scored partition keeps: ``floor(r·L)``, at least 1."""
+    return max(1, math.floor(ratio * lag + 1e-9))
+
+
+def lagkv_retained(n_tokens: int, sink: int, lag: int, ratio: float) -> int:
+    """Eq. 10: cache length after LagKV compressed ``n_tokens`` tokens."""
+    if n_tokens < sink + 2 * lag:
+        return n_tokens
+    parts, rest = divmod(n_tokens - sink, lag)
+    return sink + lag_keep(lag, ratio) * (parts - 1) + lag + rest
+
+
+@dataclass
+class LagKV(Policy):
+    """Recursive lag-relative compression; ``ratio`` is the fraction r kept per partition."""
+
+    name: ClassVar[str] = "lagkv"
+    RECOMPRESSES: ClassVar[bool] = True
+
+    ratio: float | None = 0.5
+    sink: int = 16
+    lag: int = 128
+
+    def due(self, state: RequestState, num_tokens: int, steps_since: int) -> bool:
+        """True once some layer's uncompressed tail holds two full partitions."""
+        bases = [m["compressed"] for m in state.layers.values() if "compressed" in m]
+        return bool(bases) and num_tokens - min(bases) >= 2 * self.lag
+
+    def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
+        memory = state.layer(kv.layer)
+        cursors: list[int | None] = memory.get("cursor") or [None] * kv.num_kv_heads
+        positions = kv.slot_positions()
+        lengths = kv.valid_lengths()
+        indices, compressed = [], []
+        for h in range(kv.num_kv_heads):
+            idx, cursors[h] = self._head(kv, h, int(lengths[h]), positions[h], cursors[h])
+            indices.append(idx)
+            compressed.append(len(idx) - int((positions[h, idx] >= (cursors[h] or 0)).sum()))
+        memory["cursor"] = cursors
+        memory["compressed"] = min(compressed, default=0)
+        if state.budget is None:
+            state.budget = max((len(i) for i in indices), default=0)
+        return Selection(indices)
+
+    def _head(
+        self, kv: LayerKV, h: int, length: int, positions: torch.Tensor, cursor: int | None
+    ) -> tuple[torch.Tensor, int | None]:
+        """Kept slots of head ``h`` and its new cursor (first logical position of the tail)."""
+        n = kv.num_slots
+        start = n - length
+        if length == 0:
+            return torch.arange(n, n), cursor
+        if cursor is None:  # first compression: the first `sink` live tokens (future ones if short)
+            first = start + min(self.sink, length)
+            cursor = int(positions[first]) if first < n else int(positions[-1]) + 1 + self.sink - length
+        first = start + int((positions[start:] < cursor).sum())
+        parts = (n - first) // self.lag
+        if parts < 2:
+            return torch.arange(start, n), cursor
+        tail = first + (parts - 1) * self.lag
+        shape = (parts, self.lag, kv.keys.shape[-1])
+        keys = kv.keys[h, first : first + parts * self.lag].reshape(shape)
+        values = kv.values[h, first : first + parts * self.lag].reshape(shape[0], shape[1], -1)
+        scores = lagkv_scores(keys[:-1], values[:-1], keys[1:], values[1:]).cpu()  # [parts-1, L]
+        top = scores.topk(lag_keep(self.lag, self.ratio or 1.0), dim=-1).indices
+        offsets = first + self.lag * torch.arange(parts - 1).unsqueeze(1)
+        chosen = torch.sort((top + offsets).flatten()).values
+        kept = torch.cat([torch.arange(start, first), chosen, torch.arange(tail, n)])
+        return kept, int(positions[tail])

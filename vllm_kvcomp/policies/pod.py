@@ -1,0 +1,239 @@
+"""``pod``: POD (004_…) — proximal tokens over distant tokens, distant scores shared in layer groups.
+
+The paper post-trains a model whose layers in a calibrated group (§2.1) attend to *distant*
+tokens with the scores of the group's lowest layer (eq. 3), merge proximal and distant parts with
+the gate g of eq. 4, and skip the distant part when g ≥ τ (§2.3). This module gives
+
+* the exact split attention of Appendix A.1 as reference functions (:func:`proximal_masks`,
+  :func:`pod_gate`, :func:`split_attention`): with a layer's own distant scores it equals full
+  attention;
+* a training-free *token-selection* policy :class:`POD`, mapped as follows, per KV head:
+
+  - proximal tokens = the first ``sink`` (n_s) and the last ``window`` (n_r) live tokens: always kept;
+  - distant tokens = the rest. The group's lowest layer ℓa scores them by its distant attention
+    (softmax over distant keys only, eq. 3, of the last ``observe`` prompt queries, averaged over
+    queries and over the KV head's query group); every layer of the group keeps the distant tokens
+    ℓa ranks highest, up to the per-head budget (``ratio`` / ``budget``) — the shared-score
+    variant, without training;
+  - the gate g (eq. 4: layer ℓ's own proximal mass against ℓa's distant mass) is averaged over the
+    observed queries; a KV head drops *all* its distant tokens at layer ℓ when g ≥ ``tau`` for
+    every query head of its group (the paper skips the distant computation per decoding step;
+    here the decision is taken once, after prefill, so ``tau`` defaults higher than its 0.7).
+
+Heads that skip keep fewer tokens than the budget; the budget is not redistributed.
+Without a profile (``groups is None``) every layer is its own group (own scores).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from vllm_kvcomp.policies.base import (
+    LayerKV,
+    Policy,
+    RequestState,
+    Selection,
+    protected_topk,
+    reduce_gqa,
+)
+from vllm_kvcomp.policies.compensation import attention_with_lse
+from vllm_kvcomp.policies.razor import PROFILE_PARAM, check_profile_name
+from vllm_kvcomp.spec import Param, SpecError
+
+if TYPE_CHECKING:
+    from vllm_kvcomp.calibration.profiles import LayerGroupsProfile
+
+
+# ---------------------------------------------------------------------------- Appendix A.1 reference
+
+
+def proximal_masks(
+    query_positions: torch.Tensor, key_positions: torch.Tensor, start: int, recent: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal proximal / distant split of eq. 3 for each query.
+
+    query_positions [T], key_positions [S] (-1 = invalid). Key j is proximal for query i if
+    ``j < start`` (n_s initial tokens) or ``i - recent < j <= i`` (n_r neighbours incl. itself);
+    distant if visible and not proximal. Returns (proximal [T, S], distant [T, S]) bool.
+    """
+    q = query_positions.view(-1, 1)
+    k = key_positions.view(1, -1)
+    visible = (k >= 0) & (k <= q)
+    proximal = visible & ((k < start) | (k > q - recent))
+    return proximal, visible & ~proximal
+
+
+def pod_gate(lse_proximal: torch.Tensor, lse_distant: torch.Tensor) -> torch.Tensor:
+    """Eq. 4/6: g = Σexp a^P / (Σexp a^P + Σexp a^D) from log-sum-exps; 1 where both are empty."""
+    return torch.sigmoid(lse_proximal - lse_distant).nan_to_num(1.0)
+
+
+def split_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    proximal: torch.Tensor,
+    distant: torch.Tensor,
+    shared_q: torch.Tensor | None = None,
+    shared_k: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """POD attention (eq. 3–4): o = g·o^P + (1 − g)·o^D.
+
+    q [T, H, D], k/v [S, H, D] (heads already expanded), proximal/distant [T, S] bool. The distant
+    logits use ``shared_q`` [T, H, D] / ``shared_k`` [S, H, D] (the group's lowest layer) when
+    given, else the layer's own q/k — then the result equals full attention over
+    ``proximal | distant`` (Appendix A.1). Returns (out [T, H, D], gate [T, H]).
+    """
+    out_p, lse_p = attention_with_lse(q, k, v, scale, proximal)
+    dq = q if shared_q is None else shared_q
+    dk = k if shared_k is None else shared_k
+    out_d, lse_d = attention_with_lse(dq, dk, v, scale, distant)
+    gate = pod_gate(lse_p, lse_d)
+    g = gate.unsqueeze(-1)
+    out = g * out_p.to(gate.dtype) + (1.0 - g) * out_d.to(gate.dtype)
+    return out.to(q.dtype), gate
+
+
+# ---------------------------------------------------------------------------- the policy
+
+
+@dataclass
+class POD(Policy):
+    """Training-free POD token selection. ``groups``: consecutive layer blocks sharing scores."""
+
+    name: ClassVar[str] = "pod"
+    PROFILE: ClassVar[str | None] = "pod"
+    PARAMS: ClassVar[dict[str, Param]] = {
+        "tau": Param("tau", float, 0.9, 0.0, 1.0, help="gate threshold: drop distant tokens when g >= tau"),
+        "observe": Param("observe", int, 16, 1, 4096, help="trailing prompt queries that score and gate"),
+        "profile": PROFILE_PARAM,
+    }
+
+    groups: tuple[tuple[int, ...], ...] | None = None
+    ratio: float | None = 0.5
+    budget: int | None = None
+    sink: int | None = 16
+    window: int | None = 128
+    tau: float = 0.9
+    observe: int = 16
+    profile: str = "default"
+
+    def check(self) -> None:
+        check_profile_name(self.profile)
+        proximal = int(self.sink or 0) + int(self.window or 0)
+        if self.budget is not None and self.budget < proximal:
+            raise SpecError(
+                "budget", f"{self.budget} is below sink + window = {proximal} (proximal tokens are always kept)",
+                f"integer >= {proximal}, or a smaller sink/window",
+            )
+
+    def with_profile(self, profile: LayerGroupsProfile) -> POD:
+        """This policy with ``groups`` from a calibration profile."""
+        return replace(self, groups=tuple(tuple(g) for g in profile.groups))
+
+    def queries_needed(self) -> int:
+        return int(self.observe)
+
+    def layer_groups(self, num_layers: int) -> tuple[tuple[int, ...], ...]:
+        """The groups to use for a model of ``num_layers`` (singletons without a profile)."""
+        if self.groups is None:
+            return tuple((i,) for i in range(num_layers))
+        from vllm_kvcomp.calibration.profiles import check_groups
+
+        return check_groups(self.groups, num_layers)
+
+    def select(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
+        if not layers:
+            return []
+        by_layer = {kv.layer: kv for kv in layers}
+        if state.budget is None:
+            state.budget = self.kept_for(max(int(kv.valid_lengths().max()) for kv in layers))
+        out: dict[int, Selection] = {}
+        for group in self.layer_groups(layers[0].num_layers):
+            present = [by_layer[i] for i in group if i in by_layer]
+            if not present:
+                continue
+            # the lowest layer of the group that this call sees (all of it, unless layers are sharded)
+            anchor = present[0]
+            anchor_logits = _window_logits(anchor)
+            _, anchor_distant = self._split(anchor)
+            d_mask = anchor_distant.repeat_interleave(_group_size(anchor), 0).unsqueeze(1)
+            d_logits = anchor_logits.masked_fill(~d_mask, float("-inf"))
+            lse_distant = d_logits.logsumexp(-1)  # [H_q, w]
+            probs = torch.softmax(d_logits, -1).nan_to_num(0.0)  # eq. 3 distant softmax
+            by_position = _scores_by_position(anchor, reduce_gqa(probs.mean(1), anchor.num_kv_heads))
+            for kv in present:
+                logits = anchor_logits if kv is anchor else _window_logits(kv)
+                out[kv.layer] = self._select_layer(kv, state, logits, lse_distant, by_position)
+        return [out[kv.layer] for kv in layers]
+
+    def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
+        return self.select([kv], state)[0]
+
+    def _split(self, kv: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per KV head (proximal [H_kv, N], distant [H_kv, N]) slot masks of the live tokens."""
+        n = kv.num_slots
+        lengths = kv.valid_lengths()
+        slots = torch.arange(n).unsqueeze(0)
+        start = (n - lengths).unsqueeze(1)
+        sink = torch.clamp(lengths, max=int(self.sink or 0)).unsqueeze(1)
+        recent = torch.minimum(lengths.unsqueeze(1) - sink, torch.full_like(sink, int(self.window or 0)))
+        live = slots >= start
+        proximal = live & ((slots < start + sink) | (slots >= n - recent))
+        return proximal, live & ~proximal
+
+    def _select_layer(
+        self,
+        kv: LayerKV,
+        state: RequestState,
+        logits: torch.Tensor,
+        lse_distant: torch.Tensor,
+        by_position: torch.Tensor,
+    ) -> Selection:
+        proximal, _ = self._split(kv)
+        group = _group_size(kv)
+        p_mask = proximal.repeat_interleave(group, 0).unsqueeze(1)
+        lse_proximal = logits.masked_fill(~p_mask, float("-inf")).logsumexp(-1)  # [H_q, w]
+        gate = pod_gate(lse_proximal, lse_distant).mean(1)  # [H_q]
+        skip = (gate >= self.tau).view(kv.num_kv_heads, group).all(1)  # [H_kv]
+        positions = kv.slot_positions()
+        scores = torch.full(positions.shape, float("-inf"))
+        valid = (positions >= 0) & (positions < by_position.shape[1])
+        rows = torch.arange(kv.num_kv_heads).unsqueeze(1).expand_as(positions)
+        scores[valid] = by_position[rows[valid], positions[valid]]
+        sink, window = int(self.sink or 0), int(self.window or 0)
+        keep = [min(state.budget, sink + window) if s else state.budget for s in skip.tolist()]
+        return Selection(protected_topk(scores, keep, kv.valid_lengths(), sink, window))
+
+
+def _group_size(kv: LayerKV) -> int:
+    if kv.queries is None or kv.queries.shape[1] == 0:
+        raise ValueError("pod needs observation-window queries, none were captured")
+    return kv.queries.shape[0] // kv.num_kv_heads
+
+
+def _window_logits(kv: LayerKV) -> torch.Tensor:
+    """[H_q, w, N] float scaled logits of the window queries; -inf on invalid or future slots."""
+    group = _group_size(kv)
+    acc = torch.float64 if kv.keys.dtype == torch.float64 else torch.float32
+    keys = kv.keys.to(acc).repeat_interleave(group, dim=0)
+    logits = torch.einsum("hwd,hnd->hwn", kv.queries.to(acc), keys) * kv.softmax_scale
+    key_pos = kv.slot_positions().repeat_interleave(group, dim=0)
+    q_pos = kv.window_query_positions()
+    visible = (key_pos.unsqueeze(1) >= 0) & (key_pos.unsqueeze(1) <= q_pos.view(1, -1, 1))
+    return logits.masked_fill(~visible, float("-inf"))
+
+
+def _scores_by_position(kv: LayerKV, scores: torch.Tensor) -> torch.Tensor:
+    """Re-index [H_kv, N] slot scores by logical position: [H_kv, max_pos + 1], -inf elsewhere."""
+    positions = kv.slot_positions()
+    out = torch.full((kv.num_kv_heads, int(positions.max()) + 1), float("-inf"), dtype=scores.dtype)
+    valid = positions >= 0
+    rows = torch.arange(kv.num_kv_heads).unsqueeze(1).expand_as(positions)
+    out[rows[valid], positions[valid]] = scores[valid]
+    return out

@@ -1,0 +1,119 @@
+"""``sagekv``: SAGE-KV (001_…, Wang et al., 2025): one-shot self-attention guided eviction.
+
+§2 steps 1–4 with the Appendix A.2 split of a per-KV-head budget B among G = H_q / H_kv query
+heads: sink ``B/4``, top-``k`` per query head with ``k = B/(2G)`` rounded down to a power of
+two (this reproduces both published settings: G=4 -> 1024, G=7 -> 585 -> 512), and the recent
+window gets the rest, ``B - sink - G·k``, which includes the last token (so the total is exactly
+B, as in A.2: 8192 - 2048 - 7·512 = 2560).
+
+Scores are the attention of the *last* query. Each query head ranks the eviction region (between
+sink and recent window) on its own; its KV head keeps the union of the G top-k sets. When those
+sets overlap the union is smaller than G·k: the free slots go to the next-ranked tokens (the
+best rank any query head of the group gives a token, ties by the larger attention), so every
+head keeps exactly B.
+
+Decode: sink and the selected set stay pinned (per-slot memory keyed by position) while the
+recent window slides; every ``interval`` steps the cache is cut back to B. If the first
+selection compressed nothing (prompt ≤ B), the first decode recompression makes the selection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vllm_kvcomp.policies.base import (
+    LayerKV,
+    RequestState,
+    ScorePolicy,
+    Selection,
+    SlotMemory,
+    keep_pinned,
+    window_attention,
+)
+
+
+def sagekv_split(budget: int, group: int, sink: int | None = None) -> tuple[int, int, int]:
+    """(sink, k per query head, recent window incl. last token) summing to ``budget``.
+
+    ``group`` = query heads per KV head; ``sink`` overrides B/4. Recent keeps at least 1 token.
+    """
+    if budget <= 0:
+        return 0, 0, 0
+    keep_sink = budget // 4 if sink is None else min(int(sink), budget - 1)
+    share = budget // (2 * group)
+    k = 1 << (share.bit_length() - 1) if share else 0
+    k = min(k, (budget - keep_sink - 1) // group)
+    return keep_sink, k, budget - keep_sink - group * k
+
+
+@dataclass
+class SageKV(ScorePolicy):
+    """Sink B/4 + union of per-query-head top-k (last-token attention) + recent window."""
+
+    name: ClassVar[str] = "sagekv"
+    RECOMPRESSES: ClassVar[bool] = True
+
+    ratio: float | None = 0.5
+    budget: int | None = None
+    sink: int | None = None
+    interval: int = 16
+
+    def queries_needed(self) -> int:
+        return 1
+
+    def split(self, kv: LayerKV, state: RequestState) -> tuple[int, int, int]:
+        """(sink, k, recent) for this layer's GQA group size and ``state.budget``."""
+        group = 1 if kv.queries is None else kv.queries.shape[0] // kv.num_kv_heads
+        return sagekv_split(int(state.budget or 0), group, self.sink)
+
+    def protected_for(self, kv: LayerKV, state: RequestState) -> tuple[int, int]:
+        sink, _, recent = self.split(kv, state)
+        return sink, recent
+
+    def eviction_region(self, kv: LayerKV, state: RequestState) -> torch.Tensor:
+        """[H_kv, N] bool: live slots between each head's sink and recent window."""
+        sink, _, recent = self.split(kv, state)
+        start = kv.num_slots - kv.valid_lengths()
+        slots = torch.arange(kv.num_slots).unsqueeze(0)
+        return (slots >= (start + sink).unsqueeze(1)) & (slots < kv.num_slots - recent)
+
+    def score(self, kv: LayerKV, state: RequestState) -> torch.Tensor:
+        """[H_kv, N] = -(best rank over the group's query heads) + attention/2 (a tie-break < 1).
+
+        Ranks are taken inside the eviction region, so the top ``G·k`` scores are the union of
+        the per-query-head top-k sets, filled up with the next ranks when they overlap.
+        """
+        last = window_attention(kv)[:, -1].float().cpu()  # [H_q, N]
+        group = last.shape[0] // kv.num_kv_heads
+        region = self.eviction_region(kv, state).repeat_interleave(group, dim=0)
+        order = torch.sort(last.masked_fill(~region, -1.0), dim=-1, descending=True, stable=True).indices
+        rank = torch.empty_like(order)
+        rank.scatter_(1, order, torch.arange(kv.num_slots).expand_as(order).contiguous())
+        best_rank = rank.view(kv.num_kv_heads, group, -1).amin(dim=1).float()
+        top_attn = last.view(kv.num_kv_heads, group, -1).amax(dim=1)
+        return -best_rank + 0.5 * top_attn
+
+    def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
+        memory = state.layer(kv.layer)
+        if "pinned" not in memory:
+            return super().select_layer(kv, state)
+        positions = kv.slot_positions()
+        pinned = memory["pinned"].lookup(positions) > 0
+        selection = Selection(keep_pinned(kv, pinned, memory["sink"], int(state.budget or 0)))
+        memory["pinned"] = SlotMemory.kept(pinned.float(), positions, selection.indices)
+        return selection
+
+    def commit(self, kv: LayerKV, state: RequestState, selection: Selection) -> None:
+        """Pin the selected tokens once a selection really evicted something."""
+        if int(kv.valid_lengths().max()) <= int(state.budget or 0):
+            return
+        kept = torch.zeros(kv.num_kv_heads, kv.num_slots, dtype=torch.bool)
+        for h, idx in enumerate(selection.indices):
+            kept[h, idx] = True
+        pinned = (kept & self.eviction_region(kv, state)).float()
+        memory = state.layer(kv.layer)
+        memory["pinned"] = SlotMemory.kept(pinned, kv.slot_positions(), selection.indices)
+        memory["sink"] = self.split(kv, state)[0]

@@ -1,0 +1,31 @@
+"""``streamingllm``: StreamingLLM (Xiao et al., 2023): attention sinks + the most recent tokens.
+
+Every head keeps its first ``sink`` live tokens and the ``B - sink`` most recent ones. During
+decode the window slides: every ``interval`` steps the cache is cut back to ``B``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vllm_kvcomp.policies.base import LayerKV, RequestState, ScorePolicy
+
+
+@dataclass
+class StreamingLLM(ScorePolicy):
+    """Sink + recent window, same count per head."""
+
+    name: ClassVar[str] = "streamingllm"
+    RECOMPRESSES: ClassVar[bool] = True
+
+    ratio: float | None = 0.5
+    budget: int | None = None
+    sink: int = 4
+    interval: int = 16
+
+    def score(self, kv: LayerKV, state: RequestState) -> torch.Tensor:
+        """[H_kv, N] recency: the logical position (later = kept)."""
+        return kv.slot_positions().float()

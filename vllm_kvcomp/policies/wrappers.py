@@ -1,0 +1,169 @@
+"""Budget schemes that compose over any :class:`ScorePolicy`.
+
+* :func:`adaptive_topk` / :class:`AdaptiveHeads`: AdaKV-style allocation. A layer's total budget
+  ``sum_h min(B, length_h)`` (= H·B) goes to the globally best scores over all its heads, after a
+  per-head floor of ``ceil(floor · B)`` tokens (AdaKV's safeguard, default 0.2) plus the inner
+  policy's sink/window.
+* :class:`LayerBudgets`: explicit per-layer per-head budgets.
+* :class:`HeadsChoice`: mixin giving a score policy the spec extra ``heads=uniform|adaptive``.
+
+Scores must be comparable across the heads of a layer for adaptive allocation to mean anything
+(attention mass: SnapKV, H2O; key norms: KNorm).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import ClassVar
+
+import torch
+
+from vllm_kvcomp.policies.base import (
+    LayerKV,
+    Policy,
+    RequestState,
+    ScorePolicy,
+    Selection,
+    protected_topk,
+)
+from vllm_kvcomp.spec import Param, SpecError
+
+#: AdaKV's safeguard: every head keeps at least this fraction of the per-head budget.
+ADAPTIVE_FLOOR = 0.2
+
+HEADS_PARAMS: dict[str, Param] = {
+    "heads": Param(
+        "heads", str, "uniform", choices=("uniform", "adaptive"),
+        help="per-head budget: uniform (same count per head) or adaptive (AdaKV, global top-k)",
+    )
+}
+
+Allocator = Callable[[torch.Tensor, int, torch.Tensor, int, int], list[torch.Tensor]]
+
+
+def adaptive_topk(
+    scores: torch.Tensor,
+    budget: int,
+    lengths: torch.Tensor,
+    sink: int = 0,
+    window: int = 0,
+    floor: float = ADAPTIVE_FLOOR,
+) -> list[torch.Tensor]:
+    """AdaKV allocation of ``sum_h min(budget, length_h)`` slots over the heads of one layer.
+
+    scores [H, N] (higher = keep), lengths [H] right-aligned live slots. Each head first keeps
+    ``max(sink + window, ceil(floor · budget))`` slots by :func:`protected_topk`; the rest of the
+    layer's total goes to the best remaining scores over all heads. Returns H sorted index tensors.
+    """
+    num_heads, n = scores.shape
+    lengths = lengths.to(torch.long).cpu()
+    total = int(torch.clamp(lengths, max=budget).sum())
+    base = min(budget, max(sink + window, math.ceil(floor * budget - 1e-9)))
+    kept = protected_topk(scores, base, lengths, sink, window)
+    taken = torch.zeros(num_heads, n, dtype=torch.bool)
+    for h, idx in enumerate(kept):
+        taken[h, idx] = True
+    live = torch.arange(n).unsqueeze(0) >= (n - lengths).unsqueeze(1)
+    extra = total - int(taken.sum())
+    if extra <= 0:
+        return kept
+    candidates = scores.float().cpu().masked_fill(~live | taken, float("-inf")).flatten()
+    best = torch.sort(candidates, descending=True, stable=True).indices[:extra]
+    taken.view(-1)[best] = True
+    return [torch.nonzero(taken[h]).flatten() for h in range(num_heads)]
+
+
+def select_with(
+    inner: ScorePolicy, kv: LayerKV, state: RequestState, budget: int, allocate: Allocator
+) -> Selection:
+    """One layer of ``inner``: its protected region and scores, ``allocate``'s kept slots."""
+    sink, window = inner.protected_for(kv, state)
+    scores = inner.score(kv, state).float().cpu()
+    selection = Selection(allocate(scores, budget, kv.valid_lengths(), sink, window))
+    inner.commit(kv, state, selection)
+    return selection
+
+
+class HeadsChoice:
+    """Mixin for score policies with a ``heads`` field: ``adaptive`` allocates by :func:`adaptive_topk`."""
+
+    heads: str
+
+    def allocate(
+        self, scores: torch.Tensor, budget: int, lengths: torch.Tensor, sink: int, window: int
+    ) -> list[torch.Tensor]:
+        if self.heads == "adaptive":
+            return adaptive_topk(scores, budget, lengths, sink, window)
+        return protected_topk(scores, budget, lengths, sink, window)
+
+
+@dataclass
+class _Wrapper(Policy):
+    """Delegates the engine-facing questions to ``inner``."""
+
+    inner: ScorePolicy | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.inner, ScorePolicy):
+            raise SpecError("inner", "a wrapper needs a score policy", "a ScorePolicy instance")
+        self.RECOMPRESSES = self.inner.RECOMPRESSES
+        self.check()
+
+    def queries_needed(self) -> int:
+        return self.inner.queries_needed()
+
+    def kept_for(self, n_tokens: int) -> int:
+        return self.inner.kept_for(n_tokens)
+
+    def target_budget(self, n_tokens: int) -> int:
+        return self.inner.target_budget(n_tokens)
+
+    def due(self, state: RequestState, num_tokens: int, steps_since: int) -> bool:
+        return self.inner.due(state, num_tokens, steps_since)
+
+
+@dataclass
+class AdaptiveHeads(_Wrapper):
+    """AdaKV over ``inner``: per-layer total H·B, spread over heads by a global top-k."""
+
+    name: ClassVar[str] = "adaptive"
+
+    floor: float = ADAPTIVE_FLOOR
+
+    def check(self) -> None:
+        if not 0.0 <= self.floor <= 1.0:
+            raise SpecError("floor", f"{self.floor:g} is out of range", "a number in [0, 1]")
+
+    def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
+        if state.budget is None:
+            state.budget = self.target_budget(int(kv.valid_lengths().max()))
+        return select_with(self.inner, kv, state, state.budget, partial(adaptive_topk, floor=self.floor))
+
+
+@dataclass
+class LayerBudgets(_Wrapper):
+    """``inner`` with an explicit per-head budget per layer: ``budgets[layer]`` kept tokens.
+
+    ``RequestState.budget`` is the largest of them (decode recompression is due past it); the
+    inner policy's own allocation (e.g. ``heads=adaptive``) is kept.
+    """
+
+    name: ClassVar[str] = "layer_budgets"
+
+    budgets: Sequence[int] = ()
+
+    def check(self) -> None:
+        if not self.budgets or any(int(b) < 1 for b in self.budgets):
+            raise SpecError("budgets", f"invalid per-layer budgets {self.budgets!r}", "positive integers, one per layer")
+
+    def select(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
+        if layers and len(self.budgets) < layers[0].num_layers:
+            raise SpecError(
+                "budgets", f"{len(self.budgets)} budgets for {layers[0].num_layers} layers", "one per layer"
+            )
+        if state.budget is None:
+            state.budget = max(int(b) for b in self.budgets)
+        return [select_with(self.inner, kv, state, int(self.budgets[kv.layer]), self.inner.allocate) for kv in layers]

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: ``vllm-kvcomp serve``, operator config, header middleware, metrics."""
