@@ -15,6 +15,15 @@ from tests.helpers.tiny_llama import make_tiny_llama, permute_rope_rows, write_t
 from vllm_kvcomp import cli, models
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny tensors: one intra-op thread is faster, and much faster on a shared, busy machine."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> tuple[Path, Path]:
     """(HF folder, F32 GGUF twin) of the tiny Llama."""

@@ -56,7 +56,10 @@ def decode_attention(
         raise ValueError("num_splits must be >= 1")
     scale = d**-0.5 if scale is None else scale
     group = hq // view.num_heads
-    out = torch.empty_like(q) if out is None else out
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim")
     lse = torch.empty(batch, hq, dtype=torch.float32, device=q.device)
     if batch == 0:
         return out, lse

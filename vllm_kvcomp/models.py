@@ -28,7 +28,6 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -130,6 +129,8 @@ def verify_model_dir(model_dir: str | Path, *, checksums: bool = True) -> dict[s
         raise ModelError(f"{path} lists no files")
     for name, entry in files.items():
         target = model_dir / name
+        if not isinstance(entry, dict):
+            raise ModelError(f"{path}: malformed entry for {name!r}")
         if not target.is_file():
             raise ModelError(f"{target} is missing")
         if target.stat().st_size != entry.get("size"):
@@ -462,7 +463,7 @@ def _say(enabled: bool, message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-__all__: Iterable[str] = [
+__all__ = [
     "MODEL_NAME",
     "ModelError",
     "add_arguments",

@@ -27,6 +27,7 @@ import os
 from typing import Literal
 
 import torch
+from torch import Tensor
 
 from vllm_kvcomp.policies.lagkv import RANGE_EPS
 from vllm_kvcomp.policies.lagkv import lagkv_scores as _lagkv_partition_scores
@@ -88,13 +89,16 @@ def _stream(device: torch.device) -> int:
 # ---------------------------------------------------------------------------- torch path
 
 
-def _slots(kv_cache: torch.Tensor, block_table: torch.Tensor, b: int, slots: torch.Tensor) -> tuple:
+def _slots(kv_cache: torch.Tensor, block_table: torch.Tensor, b: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Index tuple selecting logical ``slots`` (any shape) of request b in ``kv_cache``."""
     bs = kv_cache.shape[1]
     return block_table[b, slots // bs].long(), slots % bs
 
 
-def _torch_compact(kv_cache, block_table, seq_lens, kept, counts) -> None:
+def _torch_compact(
+    kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, kept: Tensor, counts: Tensor
+) -> None:
+    """Torch compaction: gather every kept cell of a request, then write them right-aligned."""
     heads = kv_cache.shape[2]
     for b in range(kept.shape[0]):
         n = int(seq_lens[b])
@@ -108,7 +112,11 @@ def _torch_compact(kv_cache, block_table, seq_lens, kept, counts) -> None:
         kv_cache[(*_slots(kv_cache, block_table, b, dst), h_idx)] = cells
 
 
-def _torch_decode(q, kv_cache, block_table, seq_lens, start, comp, scale):
+def _torch_decode(
+    q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, start: Tensor,
+    comp: tuple[Tensor, Tensor, Tensor] | None, scale: float,
+) -> tuple[Tensor, Tensor]:
+    """Torch decode: per request [H_kv, G, N] logits, the compensation token as one more key."""
     batch, hq, d = q.shape
     hk = kv_cache.shape[2]
     group = hq // hk
@@ -135,7 +143,11 @@ def _torch_decode(q, kv_cache, block_table, seq_lens, start, comp, scale):
     return out, lse
 
 
-def _torch_window(q, kv_cache, block_table, seq_lens, start, scale, with_entropy, n_max):
+def _torch_window(
+    q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, start: Tensor, scale: float,
+    with_entropy: bool, n_max: int,
+) -> tuple[Tensor, Tensor | None]:
+    """Torch window scores: per request [H_kv, G·w, N] probabilities, summed over rows."""
     batch, w, hq, d = q.shape
     hk = kv_cache.shape[2]
     group = hq // hk
@@ -158,7 +170,11 @@ def _torch_window(q, kv_cache, block_table, seq_lens, start, scale, with_entropy
     return scores, entropy
 
 
-def _torch_lagkv(kv_cache, block_table, seq_lens, start, num_parts, lag, max_parts):
+def _torch_lagkv(
+    kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, start: Tensor, num_parts: Tensor, lag: int,
+    max_parts: int,
+) -> Tensor:
+    """Torch LagKV: per request and head, the policy's scoring on the gathered partitions."""
     batch, hk, d = num_parts.shape[0], kv_cache.shape[2], kv_cache.shape[3] // 2
     scores = torch.zeros(batch, hk, max_parts, lag, dtype=torch.float32, device=kv_cache.device)
     for b in range(batch):
@@ -231,8 +247,7 @@ def decode_attention(
     scale = d**-0.5 if scale is None else scale
     start_bh = _starts(start, batch, hk, q.device)
     bt, sl = _i32(block_table), _i32(seq_lens)
-    cuda_ok = q.dtype in (torch.float32, torch.float16, torch.bfloat16) and q.dtype == kv_cache.dtype \
-        and d in CUDA_HEAD_DIMS and hq % hk == 0 and hq // hk <= CUDA_MAX_GROUP
+    cuda_ok = _cuda_decode_supports(q, kv_cache)
     which = resolve_backend("decode_attention", q.device, backend, cuda_ok)
     if which == "torch":
         return _torch_decode(q, kv_cache, bt, sl, start_bh, compensation, scale)
@@ -255,6 +270,20 @@ def decode_attention(
             q, kv_cache, bt, sl, start_bh, *comp, scale, num_splits, mid_o, mid_lse, out, lse, _stream(q.device)
         )
     return out, lse
+
+
+def _cuda_decode_supports(q: Tensor, kv_cache: Tensor) -> bool:
+    """dtype, head dim, group size and vector alignment (D/32 elements per lane) of the CUDA kernel."""
+    batch, hq, d = q.shape
+    hk = kv_cache.shape[2]
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or q.dtype != kv_cache.dtype:
+        return False
+    if d not in CUDA_HEAD_DIMS or hq % hk or hq // hk > CUDA_MAX_GROUP or batch > 65535:
+        return False
+    lane = d // 32
+    return kv_cache.data_ptr() % (lane * kv_cache.element_size()) == 0 and all(
+        st % lane == 0 for st in kv_cache.stride()[:3]
+    )
 
 
 def _default_splits(device: torch.device, programs: int) -> int:

@@ -52,9 +52,25 @@ class Engine:
         return get_kv_transfer_group().worker
 
 
+#: calibration profiles written next to the tiny model (razor: retrieval KV heads; pod: groups)
+RETRIEVAL_KV_HEADS = frozenset({(0, 1), (2, 0)})
+POD_GROUPS = ((0, 1), (2,))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama", **TINY)
+    from vllm_kvcomp.calibration.profiles import (
+        LayerGroupsProfile,
+        ModelIdentity,
+        RetrievalHeadsProfile,
+        save_profile,
+    )
+
+    path = make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama", **TINY)
+    model = ModelIdentity.from_model_dir(path)
+    save_profile(RetrievalHeadsProfile(model=model, kv_heads=RETRIEVAL_KV_HEADS), model_dir=path)
+    save_profile(LayerGroupsProfile(model=model, groups=POD_GROUPS), model_dir=path)
+    return path
 
 
 @pytest.fixture(scope="session")

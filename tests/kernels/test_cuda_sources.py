@@ -53,12 +53,15 @@ def _run_all(commands: list[list[str]]) -> None:
 
 @pytest.fixture(scope="module")
 def objects(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The two .cu files compiled to relocatable objects for ARCH (ptxas included)."""
+    """The two .cu files compiled to relocatable objects for ARCH (ptxas included), with the
+    flags a torch extension build adds (no implicit half/bfloat16 conversions)."""
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
+
     out = tmp_path_factory.mktemp("kvcomp_cuda")
     objs = {name: out / f"{name}.o" for name in ("compaction", "decode_attention")}
     _run_all([
-        [NVCC, "-std=c++20", "-O3", f"-arch={ARCH}", "-Xcompiler", "-fPIC", "-Werror", "all-warnings",
-         "-c", str(CSRC / f"{name}.cu"), "-o", str(obj)]
+        [NVCC, "-std=c++20", "-O3", f"-arch={ARCH}", *COMMON_NVCC_FLAGS, "-Xcompiler", "-fPIC",
+         "-Werror", "all-warnings", "-c", str(CSRC / f"{name}.cu"), "-o", str(obj)]
         for name, obj in objs.items()
     ])
     return objs

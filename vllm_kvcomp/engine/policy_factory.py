@@ -1,4 +1,4 @@
-"""Spec -> policy instance for one served model (resolving calibration profiles by name)."""
+"""Spec -> policy instance for one served model (calibration profiles loaded once by name)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ class PolicyFactory:
         self._profiles: dict[tuple[str, str], object] = {}
 
     def build(self, spec: CompressionSpec) -> Policy:
+        """The policy of ``spec``; raises ProfileError if it needs a profile the model lacks."""
         policy = spec.build_policy()
         if policy.PROFILE is None:
             return policy
-        from vllm_kvcomp.calibration.profiles import bind_profile, load_profile
+        from vllm_kvcomp.calibration.profiles import DEFAULT_NAME, bind_profile, load_profile
 
-        name = str(spec.extras.get("profile", "default"))
-        key = (policy.PROFILE, name)
+        key = (policy.PROFILE, getattr(policy, "profile", None) or DEFAULT_NAME)
         if key not in self._profiles:
-            self._profiles[key] = load_profile(self.model_dir, policy.PROFILE, name)
+            self._profiles[key] = load_profile(key[0], model_dir=self.model_dir, name=key[1])
         return bind_profile(policy, self._profiles[key])

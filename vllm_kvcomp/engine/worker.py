@@ -22,7 +22,7 @@ from vllm_kvcomp.engine.metadata import (
     WorkerReport,
 )
 from vllm_kvcomp.engine.state import CompressedRequest, QueryWindow
-from vllm_kvcomp.policies.base import LayerKV, Selection
+from vllm_kvcomp.policies.base import LayerKV, RequestState, Selection
 from vllm_kvcomp.policies.compensation import attention_with_lse, compensation_lse, merge_partials
 from vllm_kvcomp.spec import CompressionSpec
 
@@ -66,13 +66,21 @@ class KVCompWorker:
                 self.requests[r.req_id] = self._new_state(r)
 
     def _new_state(self, r: ScheduledRequest) -> CompressedRequest:
-        spec = CompressionSpec.from_mapping(r.spec)
-        policy = self.build_policy(spec)
+        """State for a new request; a spec that cannot be built (e.g. a missing calibration
+        profile) is logged and the request is served uncompressed rather than failing the engine."""
+        try:
+            spec = CompressionSpec.from_mapping(r.spec)
+            policy = self.build_policy(spec)
+        except ValueError as err:  # SpecError and ProfileError are ValueErrors
+            logger.error("request %s served without compression: %s", r.req_id, err)
+            spec = CompressionSpec()
+            policy = spec.build_policy()
         num_layers = len(self.paged)
         w = policy.queries_needed()
         return CompressedRequest(
             spec=spec,
             policy=policy,
+            policy_state=RequestState(prompt_len=r.prompt_len),
             num_layers=num_layers,
             num_kv_heads=self.num_kv_heads,
             windows=[QueryWindow(w) for _ in range(num_layers)],

@@ -1,0 +1,97 @@
+"""Greedy tokens and logprobs from vLLM + kvcomp equal the HF oracle with the same policy."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine.conftest import generate, params, prompt_ids, token_logprobs
+from vllm_kvcomp.spec import POLICY_NAMES, CompressionSpec
+
+PROMPT_LEN = 300
+MAX_TOKENS = 20  # >= 16 decode steps after the prefill token
+#: small windows/intervals so decode-time recompression happens within MAX_TOKENS
+SPECS: dict[str, dict] = {
+    "full": {},
+    "streamingllm": {"ratio": 0.5, "sink": 4, "interval": 4},
+    "snapkv": {"ratio": 0.5, "window": 8},
+    "h2o": {"ratio": 0.5, "window": 8, "interval": 4},
+    "knorm": {"ratio": 0.25, "sink": 4, "window": 8},
+    "sagekv": {"ratio": 0.5, "interval": 4},
+    "lagkv": {"ratio": 0.5, "sink": 4, "lag": 32},
+    "entropy": {"ratio": 0.5, "window": 8, "interval": 4},
+    "razor": {"ratio": 0.25, "sink": 4, "buffer": 32},
+    "pod": {"ratio": 0.5},
+}
+LOGPROB_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def oracle_model(engine):
+    from vllm_kvcomp.oracle import load_model
+
+    return load_model(engine.model_dir)
+
+
+def _oracle(engine, oracle_model, prompt, name):
+    from vllm_kvcomp.engine.policy_factory import PolicyFactory
+    from vllm_kvcomp.oracle import generate as oracle_generate
+
+    spec = CompressionSpec.from_mapping({"policy": name, **SPECS[name]})
+    policy = PolicyFactory(str(engine.model_dir)).build(spec)
+    return oracle_generate(oracle_model, prompt, policy, MAX_TOKENS)
+
+
+def _assert_same(vllm_out, expected, label):
+    assert list(vllm_out.outputs[0].token_ids) == expected.token_ids, label
+    got = token_logprobs(vllm_out)
+    worst = max(abs(a - b) for a, b in zip(got, expected.logprobs))
+    assert worst <= LOGPROB_TOL, f"{label}: logprob differs by {worst:.2e}"
+
+
+def test_specs_cover_every_policy():
+    assert set(SPECS) == set(POLICY_NAMES)
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_policy_matches_oracle(engine, oracle_model, name):
+    prompt = prompt_ids(PROMPT_LEN, seed=100)
+    out = generate(engine, [prompt], params(MAX_TOKENS, policy=name, **SPECS[name]))[0]
+    expected = _oracle(engine, oracle_model, prompt, name)
+    _assert_same(out, expected, name)
+    stats = (out.kv_transfer_params or {}).get("kvcomp")
+    if name == "full":
+        assert stats is None
+    else:
+        assert stats["compressions"] == len(expected.compressions)
+
+
+def test_mixed_batch_matches_oracle(engine, oracle_model):
+    """Every policy plus an uncompressed request in one batch, each with its own prompt."""
+    names = [n for n in POLICY_NAMES if n != "full"]
+    prompts = [prompt_ids(PROMPT_LEN - 7 * i, seed=200 + i) for i in range(len(names) + 1)]
+    sps = [params(MAX_TOKENS, policy=n, **SPECS[n]) for n in names] + [params(MAX_TOKENS)]
+    outs = generate(engine, prompts, sps)
+    for name, prompt, out in zip([*names, "full"], prompts, outs):
+        _assert_same(out, _oracle(engine, oracle_model, prompt, name), f"{name} in a mixed batch")
+
+
+def test_keep_everything_is_identical_to_plain_vllm(engine):
+    """`full` and a spec that keeps every token give exactly plain vLLM's tokens and logprobs."""
+    prompt = prompt_ids(PROMPT_LEN, seed=300)
+    plain = generate(engine, [prompt], params(MAX_TOKENS))[0]
+    for spec in ({"policy": "full"}, {"policy": "snapkv", "ratio": 1.0}, {"policy": "knorm", "budget": 4096}):
+        out = generate(engine, [prompt], params(MAX_TOKENS, **spec))[0]
+        assert list(out.outputs[0].token_ids) == list(plain.outputs[0].token_ids), spec
+        assert token_logprobs(out) == token_logprobs(plain), spec
+
+
+@pytest.mark.parametrize("name", ["snapkv", "h2o"])
+def test_chunked_prefill_window_spans_chunks(engine, oracle_model, name):
+    """1034 tokens in 512-token chunks: the last chunk (10 tokens) is shorter than the window."""
+    prompt = prompt_ids(1034, seed=500)
+    spec = {**SPECS[name], "window": 32}
+    out = generate(engine, [prompt], params(MAX_TOKENS, policy=name, **spec))[0]
+    from vllm_kvcomp.oracle import generate as oracle_generate
+
+    policy = CompressionSpec.from_mapping({"policy": name, **spec}).build_policy()
+    _assert_same(out, oracle_generate(oracle_model, prompt, policy, MAX_TOKENS), f"chunked {name}")

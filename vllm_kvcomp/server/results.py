@@ -1,0 +1,77 @@
+"""Per-request compression results in the API server, for streamed and non-streamed responses.
+
+When a compressed request finishes, the engine puts its numbers into the request's
+``kv_transfer_params["kvcomp"]`` (see ``RequestStats.as_params`` in engine/scheduler.py). vLLM
+copies those into non-streaming responses only, and only for the first prompt of a completion
+batch. :class:`ResultTap` therefore wraps the engine client's ``generate`` once and keeps the
+result of every finished request by request id until the middleware collects it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+from vllm_kvcomp.server.protocol import uncompressed_result
+
+Result = dict[str, Any]
+TAP_ATTRIBUTE = "_kvcomp_result_tap"
+
+
+class ResultTap:
+    """Finished-request results by request id (oldest dropped beyond ``capacity``)."""
+
+    def __init__(self, on_compressed: Callable[[Result], None], capacity: int = 4096):
+        self._on_compressed = on_compressed
+        self._capacity = capacity
+        self._results: OrderedDict[str, Result] = OrderedDict()
+
+    @classmethod
+    def install(cls, engine_client: Any, on_compressed: Callable[[Result], None]) -> ResultTap:
+        """Wrap ``engine_client.generate`` (once per client) and return the tap."""
+        tap = getattr(engine_client, TAP_ATTRIBUTE, None)
+        if tap is None:
+            tap = cls(on_compressed)
+            engine_client.generate = tap.wrap(engine_client.generate)
+            setattr(engine_client, TAP_ATTRIBUTE, tap)
+        return tap
+
+    def wrap(self, generate: Callable[..., AsyncGenerator[Any, None]]) -> Callable[..., AsyncGenerator[Any, None]]:
+        """``generate`` that records each request's result when its final output passes."""
+
+        async def tapped(*args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
+            request_id = kwargs.get("request_id", args[2] if len(args) > 2 else None)
+            outputs = generate(*args, **kwargs)
+            prompt_tokens = 0
+            try:
+                async for output in outputs:
+                    if output.prompt_token_ids is not None:
+                        prompt_tokens = len(output.prompt_token_ids)
+                    if output.finished and request_id is not None:
+                        self.record(request_id, output.kv_transfer_params, prompt_tokens)
+                    yield output
+            finally:
+                await outputs.aclose()  # a cancelled stream aborts the request right away
+
+        return tapped
+
+    def record(self, request_id: str, kv_transfer_params: dict[str, Any] | None, prompt_tokens: int) -> None:
+        result = (kv_transfer_params or {}).get("kvcomp")
+        if result is None:
+            result = uncompressed_result(prompt_tokens)
+        else:
+            self._on_compressed(result)
+        self._results[request_id] = result
+        while len(self._results) > self._capacity:
+            self._results.popitem(last=False)
+
+    def pop(self, request_id: str) -> Result | None:
+        return self._results.pop(request_id, None)
+
+    def pop_completion(self, response_id: str) -> list[Result]:
+        """Results of a completion response: its prompts ran as ``<id>-0``, ``<id>-1``, ..."""
+        results = []
+        while (result := self.pop(f"{response_id}-{len(results)}")) is not None:
+            results.append(result)
+        return results
