@@ -54,10 +54,18 @@ class Row:
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--contexts", help=f"comma list of N (default GPU {GPU_CONTEXTS}, CPU {CPU_CONTEXTS})")
-    p.add_argument("--batches", help=f"comma list of B (default GPU {GPU_BATCHES}, CPU {CPU_BATCHES})")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu"
+    )
+    p.add_argument(
+        "--contexts", help=f"comma list of N (default GPU {GPU_CONTEXTS}, CPU {CPU_CONTEXTS})"
+    )
+    p.add_argument(
+        "--batches", help=f"comma list of B (default GPU {GPU_BATCHES}, CPU {CPU_BATCHES})"
+    )
     p.add_argument("--kernels", default="decode,window,compact,lagkv")
     p.add_argument("--kv-heads", type=int, help="H_kv (default GPU 8, CPU 2)")
     p.add_argument("--group", type=int, default=4, help="query heads per KV head")
@@ -70,11 +78,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-splits", type=int, help="decode key splits (default: ops' heuristic)")
     p.add_argument("--iters", type=int, help="timed runs per point (default GPU 20, CPU 1)")
     p.add_argument("--warmup", type=int, help="untimed runs per point (default GPU 3, CPU 0)")
-    p.add_argument("--max-gib", type=float, default=40.0, help="skip points whose buffers exceed this")
+    p.add_argument(
+        "--max-gib", type=float, default=40.0, help="skip points whose buffers exceed this"
+    )
     p.add_argument("--json", type=Path, help="also write the rows here")
     a = p.parse_args()
     gpu = a.device == "cuda"
-    a.contexts = [int(x) for x in (a.contexts or (GPU_CONTEXTS if gpu else CPU_CONTEXTS)).split(",")]
+    a.contexts = [
+        int(x) for x in (a.contexts or (GPU_CONTEXTS if gpu else CPU_CONTEXTS)).split(",")
+    ]
     a.batches = [int(x) for x in (a.batches or (GPU_BATCHES if gpu else CPU_BATCHES)).split(",")]
     a.kernels = a.kernels.split(",")
     a.kv_heads = a.kv_heads or (8 if gpu else 2)
@@ -94,7 +106,10 @@ def timer(device: str, warmup: int, iters: int) -> Callable[[Callable[[], object
         times = []
         for _ in range(iters):
             if device == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
                 start.record()
                 fn()
                 end.record()
@@ -162,18 +177,33 @@ def bench_point(a, n: int, batch: int, backends: list[str], measure, copy_gbps: 
 
     if "decode" in a.kernels:
         q = torch.randn(batch, hq, d, generator=gen, device=dev).to(a.dtype)
-        comp = (torch.randn(batch, hk, d, device=dev), torch.randn(batch, hk, d, device=dev),
-                torch.full((batch, hk), 8.0, device=dev))
+        comp = (
+            torch.randn(batch, hk, d, device=dev),
+            torch.randn(batch, hk, d, device=dev),
+            torch.full((batch, hk), 8.0, device=dev),
+        )
         k = torch.randn(batch, hk, n, d, generator=gen, device=dev).to(a.dtype)
         v = torch.randn_like(k)
         q4 = q.unsqueeze(2)  # [B, H_q, 1, D]
-        sdpa_ms = measure(lambda: torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True))
+        sdpa_ms = measure(
+            lambda: torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+        )
         del k, v
         nbytes = bytes_decode(a, n, batch)
         add("decode", "sdpa", sdpa_ms, nbytes, 1.0)
         for be in backends:
-            ms = measure(lambda be=be: ops.decode_attention(q, paged.cache, paged.block_table, paged.seq_lens, 0,
-                                                           comp, num_splits=a.num_splits, backend=be))
+            ms = measure(
+                lambda be=be: ops.decode_attention(
+                    q,
+                    paged.cache,
+                    paged.block_table,
+                    paged.seq_lens,
+                    0,
+                    comp,
+                    num_splits=a.num_splits,
+                    backend=be,
+                )
+            )
             add("decode", be, ms, nbytes, sdpa_ms / ms)
 
     if "window" in a.kernels:
@@ -181,18 +211,32 @@ def bench_point(a, n: int, batch: int, backends: list[str], measure, copy_gbps: 
         for be in backends:
             if be == "cuda":
                 continue  # no CUDA kernel: auto dispatch runs Triton
-            ms = measure(lambda be=be: ops.window_scores(qw, paged.cache, paged.block_table, paged.seq_lens,
-                                                        with_entropy=True, n_max=n, backend=be))
+            ms = measure(
+                lambda be=be: ops.window_scores(
+                    qw,
+                    paged.cache,
+                    paged.block_table,
+                    paged.seq_lens,
+                    with_entropy=True,
+                    n_max=n,
+                    backend=be,
+                )
+            )
             add("window", be, ms, bytes_window(a, n, batch))
 
     if "compact" in a.kernels:
         kept_n = max(1, int(n * a.keep))
-        idx = (torch.arange(kept_n, device=dev) * (n / kept_n)).long().to(torch.int32)  # sorted, strided
+        idx = (
+            (torch.arange(kept_n, device=dev) * (n / kept_n)).long().to(torch.int32)
+        )  # sorted, strided
         kept = idx.expand(batch, hk, -1).contiguous()
         counts = torch.full((batch, hk), kept_n, dtype=torch.int32, device=dev)
         for be in backends:
-            ms = measure(lambda be=be: ops.compact_heads(paged.cache, paged.block_table, paged.seq_lens, kept, counts,
-                                                        backend=be))
+            ms = measure(
+                lambda be=be: ops.compact_heads(
+                    paged.cache, paged.block_table, paged.seq_lens, kept, counts, backend=be
+                )
+            )
             add("compact", be, ms, bytes_compact(a, kept_n, batch))
 
     if "lagkv" in a.kernels and n >= 2 * a.lag:
@@ -201,8 +245,18 @@ def bench_point(a, n: int, batch: int, backends: list[str], measure, copy_gbps: 
         for be in backends:
             if be == "cuda":
                 continue
-            ms = measure(lambda be=be: ops.lagkv_scores(paged.cache, paged.block_table, paged.seq_lens, 0, num_parts,
-                                                       a.lag, max_parts=parts, backend=be))
+            ms = measure(
+                lambda be=be: ops.lagkv_scores(
+                    paged.cache,
+                    paged.block_table,
+                    paged.seq_lens,
+                    0,
+                    num_parts,
+                    a.lag,
+                    max_parts=parts,
+                    backend=be,
+                )
+            )
             add("lagkv", be, ms, bytes_lagkv(a, parts, batch))
     return rows
 
@@ -215,11 +269,15 @@ def point_gib(a, n: int, batch: int) -> float:
 
 def print_table(rows: list[Row], copy_gbps: float, device: str) -> None:
     print(f"\ncopy bandwidth ({device}): {copy_gbps:.1f} GB/s (read + write)\n")
-    print(f"{'kernel':<8} {'backend':<8} {'N':>7} {'B':>4} {'ms':>10} {'GB/s':>9} {'%copy':>7} {'sdpa/ours':>10}")
+    print(
+        f"{'kernel':<8} {'backend':<8} {'N':>7} {'B':>4} {'ms':>10} {'GB/s':>9} {'%copy':>7} {'sdpa/ours':>10}"
+    )
     for r in rows:
         vs = "" if r.vs_sdpa is None else f"{r.vs_sdpa:.2f}x"
-        print(f"{r.kernel:<8} {r.backend:<8} {r.context:>7} {r.batch:>4} {r.ms:>10.3f} {r.gbps:>9.4g} "
-              f"{r.pct_copy:>6.1f}% {vs:>10}")
+        print(
+            f"{r.kernel:<8} {r.backend:<8} {r.context:>7} {r.batch:>4} {r.ms:>10.3f} {r.gbps:>9.4g} "
+            f"{r.pct_copy:>6.1f}% {vs:>10}"
+        )
 
 
 def main() -> None:
@@ -239,14 +297,18 @@ def main() -> None:
     for n in a.contexts:
         for batch in a.batches:
             if point_gib(a, n, batch) > a.max_gib:
-                print(f"skip N={n} B={batch}: {point_gib(a, n, batch):.1f} GiB > --max-gib {a.max_gib}")
+                print(
+                    f"skip N={n} B={batch}: {point_gib(a, n, batch):.1f} GiB > --max-gib {a.max_gib}"
+                )
                 continue
             rows += bench_point(a, n, batch, backends, measure, copy_gbps)
             if a.device == "cuda":
                 torch.cuda.empty_cache()
     print_table(rows, copy_gbps, torch.cuda.get_device_name() if a.device == "cuda" else "cpu")
     if a.json:
-        a.json.write_text(json.dumps({"copy_gbps": copy_gbps, "rows": [asdict(r) for r in rows]}, indent=2))
+        a.json.write_text(
+            json.dumps({"copy_gbps": copy_gbps, "rows": [asdict(r) for r in rows]}, indent=2)
+        )
 
 
 if __name__ == "__main__":

@@ -14,8 +14,21 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_MODULES = ("__init__.py", "_paged.py", "compaction.py", "decode.py", "window.py", "lagkv.py")
-IGNORE = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", "results",
-                                ".whl", ".venv*", "tests", "deploy", "benchmarks", "docs")
+IGNORE = shutil.ignore_patterns(
+    ".git",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    ".*_cache",
+    "results",
+    ".whl",
+    ".venv*",
+    "tests",
+    "deploy",
+    "benchmarks",
+    "docs",
+)
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +39,22 @@ def wheel_files(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     shutil.copytree(ROOT, src, ignore=IGNORE)
     env = {**os.environ, "VLLM_KVCOMP_BUILD_CUDA": "0", "PIP_NO_INPUT": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "-w", str(tmp / "out")],
-        cwd=src, env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            ".",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp / "out"),
+        ],
+        cwd=src,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (wheel,) = (tmp / "out").glob("vllm_kvcomp-*.whl")
@@ -45,7 +72,9 @@ def test_wheel_ships_kernels_under_the_package(wheel_files: list[str]) -> None:
 
 def test_wheel_has_no_top_level_triton_kernels(wheel_files: list[str]) -> None:
     assert not [n for n in wheel_files if n.split("/")[0] == "triton_kernels"]
-    assert [n.removeprefix("top_level:") for n in wheel_files if n.startswith("top_level:")] == ["vllm_kvcomp"]
+    assert [n.removeprefix("top_level:") for n in wheel_files if n.startswith("top_level:")] == [
+        "vllm_kvcomp"
+    ]
 
 
 def test_cpu_wheel_has_no_extension(wheel_files: list[str]) -> None:
@@ -59,7 +88,9 @@ def _find_spec(cwd: Path, name: str) -> str:
         f"spec = importlib.util.find_spec({name!r})\n"
         "print('none' if spec is None else (spec.origin or spec.submodule_search_locations[0]))"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip()
 
@@ -77,7 +108,9 @@ def test_repo_root_folder_refuses_the_top_level_name() -> None:
     """Run from the repository root the folder is on sys.path; importing it as ``triton_kernels``
     fails (so vLLM falls back to its own copy) unless another installation comes first."""
     code = "import triton_kernels, pathlib; print(pathlib.Path(triton_kernels.__file__).resolve())"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     if proc.returncode == 0:
         assert not Path(proc.stdout.strip()).is_relative_to(ROOT)
     else:

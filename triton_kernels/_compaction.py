@@ -44,7 +44,9 @@ def _compact_kernel(
 
     c = tl.arange(0, BLOCK_C)
     cmask = move[:, None] & (c[None, :] < CELL)
-    work = Work + ((b * tl.num_programs(1) + h) * k_max + j[:, None]).to(tl.int64) * CELL + c[None, :]
+    work = (
+        Work + ((b * tl.num_programs(1) + h) * k_max + j[:, None]).to(tl.int64) * CELL + c[None, :]
+    )
     bt_row = BlockTable + b * stride_bt
     if GATHER:
         off = token_offsets(bt_row, src, move, BLOCK_SIZE, stride_blk, stride_tok) + h * stride_head

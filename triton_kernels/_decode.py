@@ -46,8 +46,11 @@ def _decode_split_kernel(
     heads = hk * GROUP + g
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=hmask[:, None] & dmask[None, :], other=0.0)
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+        mask=hmask[:, None] & dmask[None, :],
+        other=0.0,
+    )
 
     seq_len = tl.load(SeqLens + b)
     start = tl.load(Start + b * stride_st_b + hk * stride_st_h)
@@ -62,7 +65,9 @@ def _decode_split_kernel(
     for n0 in tl.range(lo, hi, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         tmask = tok < hi
-        off = token_offsets(bt_row, tok, tmask, BLOCK_SIZE, stride_blk, stride_tok) + hk * stride_head
+        off = (
+            token_offsets(bt_row, tok, tmask, BLOCK_SIZE, stride_blk, stride_tok) + hk * stride_head
+        )
         kv_mask = tmask[:, None] & dmask[None, :]
         k = tl.load(KV + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = qk_dot(q, k, DOT_F32) * scale
@@ -130,7 +135,9 @@ def _decode_merge_kernel(
         kv_row = b * (num_q_heads // GROUP) + hk
         count = tl.load(CompCounts + kv_row)
         if count > 0.0:
-            q = tl.load(Q + b * stride_qb + hq * stride_qh + d, mask=dmask, other=0.0).to(tl.float32)
+            q = tl.load(Q + b * stride_qb + hq * stride_qh + d, mask=dmask, other=0.0).to(
+                tl.float32
+            )
             k_hat = tl.load(KHat + kv_row * HEAD_DIM + d, mask=dmask, other=0.0).to(tl.float32)
             v_hat = tl.load(VHat + kv_row * HEAD_DIM + d, mask=dmask, other=0.0).to(tl.float32)
             comp_lse = tl.sum(q * k_hat, 0) * scale + tl.log(count)

@@ -14,9 +14,19 @@ from ._paged import token_offsets
 
 
 @triton.jit
-def _normalised_std(KV, part_off, ref_off, tmask, channel0, eps,
-                    LAG: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_L: tl.constexpr,
-                    BLOCK_D: tl.constexpr, UNBIASED: tl.constexpr):
+def _normalised_std(
+    KV,
+    part_off,
+    ref_off,
+    tmask,
+    channel0,
+    eps,
+    LAG: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UNBIASED: tl.constexpr,
+):
     """Per-token std [BLOCK_L] over channels ``channel0 + [0, HEAD_DIM)`` of the normalised part."""
     mean = tl.zeros([BLOCK_L], tl.float32)
     m2 = tl.zeros([BLOCK_L], tl.float32)
@@ -25,11 +35,15 @@ def _normalised_std(KV, part_off, ref_off, tmask, channel0, eps,
         c = c0 + tl.arange(0, BLOCK_D)
         cmask = c < HEAD_DIM
         mask = tmask[:, None] & cmask[None, :]
-        ref = tl.load(KV + ref_off[:, None] + channel0 + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        ref = tl.load(KV + ref_off[:, None] + channel0 + c[None, :], mask=mask, other=0.0).to(
+            tl.float32
+        )
         low = tl.min(tl.where(mask, ref, float("inf")), 0)
         high = tl.max(tl.where(mask, ref, float("-inf")), 0)
         span = tl.maximum(tl.where(cmask, high - low, 1.0), eps)
-        x = tl.load(KV + part_off[:, None] + channel0 + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(KV + part_off[:, None] + channel0 + c[None, :], mask=mask, other=0.0).to(
+            tl.float32
+        )
         x = tl.where(mask, (x - low[None, :]) / span[None, :], 0.0)
         n_c = tl.sum(cmask.to(tl.float32), 0)
         mean_c = tl.sum(x, 1) / n_c
@@ -85,9 +99,12 @@ def _lagkv_kernel(
         head = hk * stride_head
         part_off = token_offsets(bt_row, tok, tmask, BLOCK_SIZE, stride_blk, stride_tok) + head
         ref_off = token_offsets(bt_row, tok + LAG, tmask, BLOCK_SIZE, stride_blk, stride_tok) + head
-        std_k = _normalised_std(KV, part_off, ref_off, tmask, 0, eps, LAG, HEAD_DIM, BLOCK_L, BLOCK_D, UNBIASED)
-        std_v = _normalised_std(KV, part_off, ref_off, tmask, HEAD_DIM, eps, LAG, HEAD_DIM, BLOCK_L, BLOCK_D,
-                                UNBIASED)
+        std_k = _normalised_std(
+            KV, part_off, ref_off, tmask, 0, eps, LAG, HEAD_DIM, BLOCK_L, BLOCK_D, UNBIASED
+        )
+        std_v = _normalised_std(
+            KV, part_off, ref_off, tmask, HEAD_DIM, eps, LAG, HEAD_DIM, BLOCK_L, BLOCK_D, UNBIASED
+        )
         score = _softmax(std_k, tmask) + _softmax(std_v, tmask)
         row = (b * tl.num_programs(1) + hk) * tl.num_programs(0) + p
         tl.store(Scores + row * LAG + i, score, mask=tmask)

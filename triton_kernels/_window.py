@@ -13,27 +13,56 @@ from ._paged import qk_dot, token_offsets
 
 
 @triton.jit
-def _load_rows(Q, b, hk, stride_qb, stride_qw, stride_qh, W: tl.constexpr, GROUP: tl.constexpr,
-               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _load_rows(
+    Q,
+    b,
+    hk,
+    stride_qb,
+    stride_qw,
+    stride_qh,
+    W: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """The window queries of KV head hk as rows [BLOCK_M, BLOCK_D], their window index and mask."""
     r = tl.arange(0, BLOCK_M)
     rmask = r < GROUP * W
     j = r % W
     head = hk * GROUP + r // W
     d = tl.arange(0, BLOCK_D)
-    q = tl.load(Q + b * stride_qb + j[:, None] * stride_qw + head[:, None] * stride_qh + d[None, :],
-                mask=rmask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    q = tl.load(
+        Q + b * stride_qb + j[:, None] * stride_qw + head[:, None] * stride_qh + d[None, :],
+        mask=rmask[:, None] & (d[None, :] < HEAD_DIM),
+        other=0.0,
+    )
     return q, j, rmask
 
 
 @triton.jit
-def _chunk_logits(q, KV, bt_row, tok, tmask, hk, scale, stride_blk, stride_tok, stride_head,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                  DOT_F32: tl.constexpr):
+def _chunk_logits(
+    q,
+    KV,
+    bt_row,
+    tok,
+    tmask,
+    hk,
+    scale,
+    stride_blk,
+    stride_tok,
+    stride_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
     """Scaled logits [BLOCK_M, BLOCK_N] of the rows against tokens ``tok`` of head hk."""
     off = token_offsets(bt_row, tok, tmask, BLOCK_SIZE, stride_blk, stride_tok) + hk * stride_head
     d = tl.arange(0, BLOCK_D)
-    k = tl.load(KV + off[:, None] + d[None, :], mask=tmask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    k = tl.load(
+        KV + off[:, None] + d[None, :], mask=tmask[:, None] & (d[None, :] < HEAD_DIM), other=0.0
+    )
     return qk_dot(q, k, DOT_F32) * scale
 
 
@@ -68,7 +97,9 @@ def _window_partial_kernel(
     chunk = tl.program_id(0)
     hk = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
-    q, j, rmask = _load_rows(Q, b, hk, stride_qb, stride_qw, stride_qh, W, GROUP, HEAD_DIM, BLOCK_M, BLOCK_D)
+    q, j, rmask = _load_rows(
+        Q, b, hk, stride_qb, stride_qw, stride_qh, W, GROUP, HEAD_DIM, BLOCK_M, BLOCK_D
+    )
     n = tl.load(SeqLens + b)
     qpos = n - W + j
     lo = tl.maximum(chunk * CHUNK, tl.load(Start + b * stride_st_b + hk * stride_st_h))
@@ -80,8 +111,22 @@ def _window_partial_kernel(
     for n0 in tl.range(lo, hi, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         tmask = tok < hi
-        s = _chunk_logits(q, KV, bt_row, tok, tmask, hk, scale, stride_blk, stride_tok, stride_head,
-                          HEAD_DIM, BLOCK_D, BLOCK_SIZE, DOT_F32)
+        s = _chunk_logits(
+            q,
+            KV,
+            bt_row,
+            tok,
+            tmask,
+            hk,
+            scale,
+            stride_blk,
+            stride_tok,
+            stride_head,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_SIZE,
+            DOT_F32,
+        )
         visible = rmask[:, None] & tmask[None, :] & (tok[None, :] <= qpos[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -169,7 +214,9 @@ def _window_scores_kernel(
     chunk = tl.program_id(0)
     hk = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
-    q, j, rmask = _load_rows(Q, b, hk, stride_qb, stride_qw, stride_qh, W, GROUP, HEAD_DIM, BLOCK_M, BLOCK_D)
+    q, j, rmask = _load_rows(
+        Q, b, hk, stride_qb, stride_qw, stride_qh, W, GROUP, HEAD_DIM, BLOCK_M, BLOCK_D
+    )
     n = tl.load(SeqLens + b)
     start = tl.load(Start + b * stride_st_b + hk * stride_st_h)
     qpos = n - W + j
@@ -181,8 +228,22 @@ def _window_scores_kernel(
     for n0 in tl.range(chunk * CHUNK, hi, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         valid = (tok < hi) & (tok >= start)
-        s = _chunk_logits(q, KV, bt_row, tok, valid, hk, scale, stride_blk, stride_tok, stride_head,
-                          HEAD_DIM, BLOCK_D, BLOCK_SIZE, DOT_F32)
+        s = _chunk_logits(
+            q,
+            KV,
+            bt_row,
+            tok,
+            valid,
+            hk,
+            scale,
+            stride_blk,
+            stride_tok,
+            stride_head,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_SIZE,
+            DOT_F32,
+        )
         visible = live[:, None] & valid[None, :] & (tok[None, :] <= qpos[:, None])
         p = tl.where(visible, tl.exp(s - tl.where(live, lse, 0.0)[:, None]), 0.0)
         tl.store(Scores + head_row * n_max + tok, tl.sum(p, 0), mask=tok < hi)

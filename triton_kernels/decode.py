@@ -35,9 +35,13 @@ def decode_attention(
     view = CacheView.of(kv_cache)
     batch, hq, d = q.shape
     if d != view.head_dim or hq % view.num_heads or q.stride(-1) != 1:
-        raise ValueError(f"q {tuple(q.shape)} does not match a cache of {view.num_heads} heads of dim {view.head_dim}")
+        raise ValueError(
+            f"q {tuple(q.shape)} does not match a cache of {view.num_heads} heads of dim {view.head_dim}"
+        )
     if q.dtype not in SUPPORTED_DTYPES or kv_cache.dtype != q.dtype:
-        raise ValueError(f"q and kv_cache must share one of {SUPPORTED_DTYPES}, got {q.dtype}/{kv_cache.dtype}")
+        raise ValueError(
+            f"q and kv_cache must share one of {SUPPORTED_DTYPES}, got {q.dtype}/{kv_cache.dtype}"
+        )
     check_int_table("block_table", block_table, 2)
     check_int_table("seq_lens", seq_lens, 1)
     if start is None:
@@ -46,7 +50,12 @@ def decode_attention(
     has_comp = comp_counts is not None
     if has_comp:
         shape = (batch, view.num_heads, d)
-        if k_hat is None or v_hat is None or tuple(k_hat.shape) != shape or tuple(v_hat.shape) != shape:
+        if (
+            k_hat is None
+            or v_hat is None
+            or tuple(k_hat.shape) != shape
+            or tuple(v_hat.shape) != shape
+        ):
             raise ValueError(f"compensation needs k_hat and v_hat of shape {shape}")
         if tuple(comp_counts.shape) != shape[:2]:
             raise ValueError(f"comp_counts must be [B, H_kv] = {shape[:2]}")
@@ -67,16 +76,49 @@ def decode_attention(
     mid_lse = torch.empty(batch, hq, num_splits, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(d)
     _decode_split_kernel[(batch, view.num_heads, num_splits)](
-        q, kv_cache, block_table, seq_lens, start, mid_o, mid_lse, scale, num_splits,
-        q.stride(0), q.stride(1), view.stride_blk, view.stride_tok, view.stride_head,
-        block_table.stride(0), start.stride(0), start.stride(1),
-        GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=32 if block_d <= 128 else 16, BLOCK_SIZE=view.block_size, DOT_F32=dot_f32(q.dtype),
+        q,
+        kv_cache,
+        block_table,
+        seq_lens,
+        start,
+        mid_o,
+        mid_lse,
+        scale,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        view.stride_blk,
+        view.stride_tok,
+        view.stride_head,
+        block_table.stride(0),
+        start.stride(0),
+        start.stride(1),
+        GROUP=group,
+        HEAD_DIM=d,
+        BLOCK_D=block_d,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=32 if block_d <= 128 else 16,
+        BLOCK_SIZE=view.block_size,
+        DOT_F32=dot_f32(q.dtype),
     )
     _decode_merge_kernel[(batch, hq)](
-        q, mid_o, mid_lse, k_hat if has_comp else q, v_hat if has_comp else q,
-        comp_counts if has_comp else lse, out, lse, scale, num_splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, HAS_COMP=has_comp,
+        q,
+        mid_o,
+        mid_lse,
+        k_hat if has_comp else q,
+        v_hat if has_comp else q,
+        comp_counts if has_comp else lse,
+        out,
+        lse,
+        scale,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        HEAD_DIM=d,
+        BLOCK_D=block_d,
+        HAS_COMP=has_comp,
     )
     return out, lse

@@ -40,15 +40,35 @@ def lagkv_scores(
         raise ValueError("lag and head_dim must be >= 2 for a channel std and a softmax")
     batch = num_parts.shape[0]
     start = per_head(start, batch, view.num_heads, "start")
-    scores = torch.zeros(batch, view.num_heads, max_parts, lag, dtype=torch.float32, device=kv_cache.device)
+    scores = torch.zeros(
+        batch, view.num_heads, max_parts, lag, dtype=torch.float32, device=kv_cache.device
+    )
     if batch == 0 or max_parts == 0:
         return scores
     block_l = triton.next_power_of_2(lag)
-    block_d = max(1, min(triton.next_power_of_2(view.head_dim), 8192 // block_l))
+    block_d = max(
+        1, min(triton.next_power_of_2(view.head_dim), 4096 // block_l)
+    )  # tile ≤ 4096 values
     _lagkv_kernel[(max_parts, view.num_heads, batch)](
-        kv_cache, block_table, seq_lens, start, num_parts, scores, eps,
-        view.stride_blk, view.stride_tok, view.stride_head, block_table.stride(0), start.stride(0), start.stride(1),
-        LAG=lag, HEAD_DIM=view.head_dim, BLOCK_L=block_l, BLOCK_D=block_d, BLOCK_SIZE=view.block_size,
+        kv_cache,
+        block_table,
+        seq_lens,
+        start,
+        num_parts,
+        scores,
+        eps,
+        view.stride_blk,
+        view.stride_tok,
+        view.stride_head,
+        block_table.stride(0),
+        start.stride(0),
+        start.stride(1),
+        LAG=lag,
+        HEAD_DIM=view.head_dim,
+        BLOCK_L=block_l,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=view.block_size,
         UNBIASED=unbiased,
+        num_warps=8 if block_l >= 256 else 4,
     )
     return scores

@@ -38,7 +38,9 @@ class CacheView:
     @classmethod
     def of(cls, kv_cache: torch.Tensor) -> CacheView:
         if kv_cache.dim() != 4:
-            raise ValueError(f"kv_cache must be [num_blocks, block_size, H_kv, 2*D], got {tuple(kv_cache.shape)}")
+            raise ValueError(
+                f"kv_cache must be [num_blocks, block_size, H_kv, 2*D], got {tuple(kv_cache.shape)}"
+            )
         if kv_cache.shape[-1] % 2:
             raise ValueError(f"kv_cache last dim {kv_cache.shape[-1]} is not 2*D")
         if kv_cache.stride(-1) != 1:
@@ -61,5 +63,7 @@ def per_head(t: torch.Tensor | None, batch: int, heads: int, name: str) -> torch
     if t.dim() == 1:
         t = t.unsqueeze(1).expand(batch, heads)
     if tuple(t.shape) != (batch, heads) or t.dtype != torch.int32:
-        raise ValueError(f"{name} must be int32 [B] or [B, H_kv] = [{batch}, {heads}], got {t.dtype} {tuple(t.shape)}")
+        raise ValueError(
+            f"{name} must be int32 [B] or [B, H_kv] = [{batch}, {heads}], got {t.dtype} {tuple(t.shape)}"
+        )
     return t

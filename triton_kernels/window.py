@@ -33,9 +33,13 @@ def window_scores(
     view = CacheView.of(kv_cache)
     batch, w, hq, d = q.shape
     if d != view.head_dim or hq % view.num_heads or q.stride(-1) != 1:
-        raise ValueError(f"q {tuple(q.shape)} does not match a cache of {view.num_heads} heads of dim {view.head_dim}")
+        raise ValueError(
+            f"q {tuple(q.shape)} does not match a cache of {view.num_heads} heads of dim {view.head_dim}"
+        )
     if q.dtype not in SUPPORTED_DTYPES or kv_cache.dtype != q.dtype:
-        raise ValueError(f"q and kv_cache must share one of {SUPPORTED_DTYPES}, got {q.dtype}/{kv_cache.dtype}")
+        raise ValueError(
+            f"q and kv_cache must share one of {SUPPORTED_DTYPES}, got {q.dtype}/{kv_cache.dtype}"
+        )
     check_int_table("block_table", block_table, 2)
     check_int_table("seq_lens", seq_lens, 1)
     if chunk < 64 or chunk % 64:
@@ -57,15 +61,41 @@ def window_scores(
         return scores, entropy
     part = torch.empty(3, batch, hk, num_chunks, block_m, dtype=torch.float32, device=dev)
     lse = torch.empty(batch, hk, block_m, dtype=torch.float32, device=dev)
-    common = dict(W=w, GROUP=group, HEAD_DIM=d, CHUNK=chunk, BLOCK_M=block_m, BLOCK_N=block_n,
-                  BLOCK_D=block_d, BLOCK_SIZE=view.block_size, DOT_F32=dot_f32(q.dtype))
-    strides = (q.stride(0), q.stride(1), q.stride(2), view.stride_blk, view.stride_tok, view.stride_head,
-               block_table.stride(0), start.stride(0), start.stride(1))
+    common = dict(
+        W=w,
+        GROUP=group,
+        HEAD_DIM=d,
+        CHUNK=chunk,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=view.block_size,
+        DOT_F32=dot_f32(q.dtype),
+        num_warps=8 if block_m >= 128 else 4,
+    )
+    strides = (
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        view.stride_blk,
+        view.stride_tok,
+        view.stride_head,
+        block_table.stride(0),
+        start.stride(0),
+        start.stride(1),
+    )
     grid = (num_chunks, hk, batch)
-    _window_partial_kernel[grid](q, kv_cache, block_table, seq_lens, start, part, scale, *strides, **common)
+    _window_partial_kernel[grid](
+        q, kv_cache, block_table, seq_lens, start, part, scale, *strides, **common
+    )
     _window_combine_kernel[(hk, batch)](
-        part, lse, entropy if with_entropy else lse, num_chunks,
-        ROWS=group * w, BLOCK_M=block_m, HAS_ENTROPY=with_entropy,
+        part,
+        lse,
+        entropy if with_entropy else lse,
+        num_chunks,
+        ROWS=group * w,
+        BLOCK_M=block_m,
+        HAS_ENTROPY=with_entropy,
     )
     _window_scores_kernel[grid](
         q, kv_cache, block_table, seq_lens, start, lse, scores, scale, n_max, *strides, **common

@@ -1,6 +1,6 @@
 """The one dispatch point of vllm-kvcomp's KV kernels: CUDA extension, Triton, or PyTorch.
 
-Dispatch rule (``backend=None``, or env ``VLLM_KVCOMP_KERNELS=auto``):
+Dispatch rule (``backend=None``):
 
 1. tensors on CUDA and the ``vllm_kvcomp._C`` extension built and covering the op and its case
    (compaction: any dtype; decode attention: float32/16, bf16, head_dim 64/128/256, ≤ 16
@@ -8,7 +8,7 @@ Dispatch rule (``backend=None``, or env ``VLLM_KVCOMP_KERNELS=auto``):
 2. else tensors on CUDA -> **triton** (``vllm_kvcomp.triton_kernels``);
 3. else (CPU tensors) -> **torch**, a vectorised PyTorch path over the same paged layout.
 
-``backend="cuda" | "triton" | "torch"`` (or the env var) forces one; forcing ``triton`` on CPU
+``backend="cuda" | "triton" | "torch"`` forces one; forcing ``triton`` on CPU
 tensors needs ``TRITON_INTERPRET=1`` (tests, ``bench_kernels.py --device cpu``).
 
 Shared conventions. One layer's cache is ``kv_cache [num_blocks, block_size, H_kv, 2D]`` (K in
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Literal
 
 import torch
 from torch import Tensor
@@ -32,9 +31,7 @@ from torch import Tensor
 from vllm_kvcomp.policies.lagkv import RANGE_EPS
 from vllm_kvcomp.policies.lagkv import lagkv_scores as _lagkv_partition_scores
 
-Backend = Literal["cuda", "triton", "torch"]
 BACKENDS: tuple[str, ...] = ("cuda", "triton", "torch")
-ENV_VAR = "VLLM_KVCOMP_KERNELS"
 CUDA_OPS = ("compact_heads", "decode_attention")
 CUDA_HEAD_DIMS = (64, 128, 256)
 CUDA_MAX_GROUP = 16
@@ -54,17 +51,23 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def resolve_backend(op: str, device: torch.device, backend: str | None = None, cuda_ok: bool = True) -> str:
+def resolve_backend(
+    op: str, device: torch.device, backend: str | None = None, cuda_ok: bool = True
+) -> str:
     """The backend that runs ``op`` on ``device`` (see the module docstring for the rule)."""
-    choice = backend or os.environ.get(ENV_VAR, "auto")
+    choice = backend or "auto"
     if choice == "auto":
         if device.type != "cuda":
             return "torch"
         return "cuda" if op in CUDA_OPS and cuda_ok and cuda_extension_available() else "triton"
     if choice not in BACKENDS:
         raise ValueError(f"unknown kernel backend {choice!r}; pick one of {BACKENDS} or auto")
-    if choice == "cuda" and (op not in CUDA_OPS or device.type != "cuda" or not cuda_extension_available() or not cuda_ok):
-        raise RuntimeError(f"{op}: the CUDA extension cannot run this case (built: {cuda_extension_available()})")
+    if choice == "cuda" and (
+        op not in CUDA_OPS or device.type != "cuda" or not cuda_extension_available() or not cuda_ok
+    ):
+        raise RuntimeError(
+            f"{op}: the CUDA extension cannot run this case (built: {cuda_extension_available()})"
+        )
     if choice == "triton" and device.type != "cuda" and not _interpreting():
         raise RuntimeError(f"{op}: Triton on {device.type} tensors needs TRITON_INTERPRET=1")
     return choice
@@ -74,7 +77,9 @@ def _i32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 else t.to(torch.int32)
 
 
-def _starts(start: torch.Tensor | int | None, batch: int, heads: int, device: torch.device) -> torch.Tensor:
+def _starts(
+    start: torch.Tensor | int | None, batch: int, heads: int, device: torch.device
+) -> torch.Tensor:
     """[B, H_kv] int32 (a broadcast view for None, an int or a [B] tensor)."""
     if start is None or isinstance(start, int):
         return torch.full((1, 1), start or 0, dtype=torch.int32, device=device).expand(batch, heads)
@@ -89,7 +94,9 @@ def _stream(device: torch.device) -> int:
 # ---------------------------------------------------------------------------- torch path
 
 
-def _slots(kv_cache: torch.Tensor, block_table: torch.Tensor, b: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _slots(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, b: int, slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Index tuple selecting logical ``slots`` (any shape) of request b in ``kv_cache``."""
     bs = kv_cache.shape[1]
     return block_table[b, slots // bs].long(), slots % bs
@@ -113,8 +120,13 @@ def _torch_compact(
 
 
 def _torch_decode(
-    q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, start: Tensor,
-    comp: tuple[Tensor, Tensor, Tensor] | None, scale: float,
+    q: Tensor,
+    kv_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    start: Tensor,
+    comp: tuple[Tensor, Tensor, Tensor] | None,
+    scale: float,
 ) -> tuple[Tensor, Tensor]:
     """Torch decode: per request [H_kv, G, N] logits, the compensation token as one more key."""
     batch, hq, d = q.shape
@@ -133,7 +145,9 @@ def _torch_decode(
         logits = logits.masked_fill(~visible, float("-inf"))
         if comp is not None:
             k_hat, v_hat, counts = comp
-            c_logit = torch.einsum("hgd,hd->hg", qb, k_hat[b].float()) * scale + counts[b].float().log().unsqueeze(1)
+            c_logit = torch.einsum("hgd,hd->hg", qb, k_hat[b].float()) * scale + counts[
+                b
+            ].float().log().unsqueeze(1)
             logits = torch.cat([logits, c_logit.unsqueeze(-1)], dim=-1)
             v = torch.cat([v, v_hat[b].float().unsqueeze(1)], dim=1)
         row_lse = torch.logsumexp(logits, dim=-1)  # [H_kv, G]
@@ -144,23 +158,35 @@ def _torch_decode(
 
 
 def _torch_window(
-    q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, start: Tensor, scale: float,
-    with_entropy: bool, n_max: int,
+    q: Tensor,
+    kv_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    start: Tensor,
+    scale: float,
+    with_entropy: bool,
+    n_max: int,
 ) -> tuple[Tensor, Tensor | None]:
     """Torch window scores: per request [H_kv, G·w, N] probabilities, summed over rows."""
     batch, w, hq, d = q.shape
     hk = kv_cache.shape[2]
     group = hq // hk
     scores = torch.zeros(batch, hk, n_max, dtype=torch.float32, device=q.device)
-    entropy = torch.zeros(batch, hq, w, dtype=torch.float32, device=q.device) if with_entropy else None
+    entropy = (
+        torch.zeros(batch, hq, w, dtype=torch.float32, device=q.device) if with_entropy else None
+    )
     for b in range(batch):
         n = int(seq_lens[b])
         slots = torch.arange(n, device=q.device)
-        keys = kv_cache[_slots(kv_cache, block_table, b, slots)][..., :d].float().transpose(0, 1)  # [H_kv, N, D]
+        keys = (
+            kv_cache[_slots(kv_cache, block_table, b, slots)][..., :d].float().transpose(0, 1)
+        )  # [H_kv, N, D]
         qb = q[b].float().transpose(0, 1).reshape(hk, group * w, d)  # rows g·w + j
         logits = torch.einsum("hrd,hnd->hrn", qb, keys) * scale
         qpos = (n - w + torch.arange(w, device=q.device)).repeat(group)  # [G·w]
-        visible = (slots.view(1, 1, -1) >= start[b].long().view(-1, 1, 1)) & (slots.view(1, 1, -1) <= qpos.view(1, -1, 1))
+        visible = (slots.view(1, 1, -1) >= start[b].long().view(-1, 1, 1)) & (
+            slots.view(1, 1, -1) <= qpos.view(1, -1, 1)
+        )
         logits = logits.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
         scores[b, :, :n] = probs.sum(1)
@@ -171,7 +197,12 @@ def _torch_window(
 
 
 def _torch_lagkv(
-    kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, start: Tensor, num_parts: Tensor, lag: int,
+    kv_cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    start: Tensor,
+    num_parts: Tensor,
+    lag: int,
     max_parts: int,
 ) -> Tensor:
     """Torch LagKV: per request and head, the policy's scoring on the gathered partitions."""
@@ -183,7 +214,9 @@ def _torch_lagkv(
             parts = min(int(num_parts[b]), max_parts, (int(seq_lens[b]) - first) // lag - 1)
             if parts <= 0:
                 continue
-            slots = first + torch.arange((parts + 1) * lag, device=kv_cache.device).view(parts + 1, lag)
+            slots = first + torch.arange((parts + 1) * lag, device=kv_cache.device).view(
+                parts + 1, lag
+            )
             cells = kv_cache[(*_slots(kv_cache, block_table, b, slots), h)]  # [P+1, L, 2D]
             k, v = cells[..., :d], cells[..., d:]
             scores[b, h, :parts] = _lagkv_partition_scores(k[:-1], v[:-1], k[1:], v[1:])
@@ -219,9 +252,14 @@ def compact_heads(
         triton_compact(*args)
     else:
         batch, heads, k_max = kept.shape
-        work = torch.empty(batch, heads, k_max, kv_cache.shape[-1], dtype=kv_cache.dtype, device=kv_cache.device)
+        work = torch.empty(
+            batch, heads, k_max, kv_cache.shape[-1], dtype=kv_cache.dtype, device=kv_cache.device
+        )
+        kv, bt, sl, kept32, counts32 = args
         with torch.cuda.device(kv_cache.device):
-            torch.ops.kvcomp.compact_heads(*args, work, _stream(kv_cache.device))
+            torch.ops.kvcomp.compact_heads(
+                kv, bt, sl, kept32.contiguous(), counts32.contiguous(), work, _stream(kv.device)
+            )
 
 
 def decode_attention(
@@ -264,10 +302,26 @@ def decode_attention(
     lse = torch.empty(batch, hq, dtype=torch.float32, device=q.device)
     mid_o = torch.empty(batch, hq, num_splits, d, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, hq, num_splits, dtype=torch.float32, device=q.device)
-    comp = [None, None, None] if counts is None else [k_hat.float().contiguous(), v_hat.float().contiguous(), counts.contiguous()]
+    comp = (
+        [None, None, None]
+        if counts is None
+        else [k_hat.float().contiguous(), v_hat.float().contiguous(), counts.contiguous()]
+    )
     with torch.cuda.device(q.device):
         torch.ops.kvcomp.decode_attention(
-            q, kv_cache, bt, sl, start_bh, *comp, scale, num_splits, mid_o, mid_lse, out, lse, _stream(q.device)
+            q,
+            kv_cache,
+            bt,
+            sl,
+            start_bh,
+            *comp,
+            scale,
+            num_splits,
+            mid_o,
+            mid_lse,
+            out,
+            lse,
+            _stream(q.device),
         )
     return out, lse
 
@@ -341,15 +395,18 @@ def lagkv_scores(
     start_bh = _starts(start, batch, hk, kv_cache.device)
     max_parts = int(num_parts.max()) if max_parts is None and batch else (max_parts or 0)
     if resolve_backend("lagkv_scores", kv_cache.device, backend) == "torch":
-        return _torch_lagkv(kv_cache, _i32(block_table), _i32(seq_lens), start_bh, num_parts, lag, max_parts)
+        return _torch_lagkv(
+            kv_cache, _i32(block_table), _i32(seq_lens), start_bh, num_parts, lag, max_parts
+        )
     from vllm_kvcomp.triton_kernels.lagkv import lagkv_scores as triton_lagkv
 
-    return triton_lagkv(kv_cache, _i32(block_table), _i32(seq_lens), start_bh, num_parts, lag, max_parts, RANGE_EPS)
+    return triton_lagkv(
+        kv_cache, _i32(block_table), _i32(seq_lens), start_bh, num_parts, lag, max_parts, RANGE_EPS
+    )
 
 
 __all__ = [
     "BACKENDS",
-    "ENV_VAR",
     "compact_heads",
     "cuda_extension_available",
     "decode_attention",

@@ -94,7 +94,11 @@ def make_paged(
     owned = sum(need)
     num_blocks = 1 + owned + spare_blocks
     cell = 2 * head_dim
-    shape = (num_blocks, block_size, num_kv_heads, cell) if layout == "NHC" else (num_blocks, num_kv_heads, block_size, cell)
+    shape = (
+        (num_blocks, block_size, num_kv_heads, cell)
+        if layout == "NHC"
+        else (num_blocks, num_kv_heads, block_size, cell)
+    )
     if layout not in ("NHC", "HNC"):
         raise ValueError(f"layout must be NHC or HNC, got {layout!r}")
     storage = torch.full(shape, math.nan if poison else 0.0, dtype=dtype, device=device)
@@ -102,7 +106,9 @@ def make_paged(
     perm = torch.randperm(num_blocks - 1, generator=gen) + 1
     blocks = perm[:owned].to(device)
     dev_gen = torch.Generator(device=device).manual_seed(seed)
-    cache[blocks] = torch.randn(owned, block_size, num_kv_heads, cell, generator=dev_gen, device=device).to(dtype)
+    cache[blocks] = torch.randn(
+        owned, block_size, num_kv_heads, cell, generator=dev_gen, device=device
+    ).to(dtype)
     table = torch.full((len(seq_lens), max(need, default=0) + 1), NULL_BLOCK, dtype=torch.int32)
     first = 0
     for b, (n, nb) in enumerate(zip(seq_lens, need)):
@@ -113,7 +119,9 @@ def make_paged(
     return Paged(cache, table.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device))
 
 
-def random_starts(seq_lens: list[int], num_kv_heads: int, seed: int = 1, min_len: int = 1) -> torch.Tensor:
+def random_starts(
+    seq_lens: list[int], num_kv_heads: int, seed: int = 1, min_len: int = 1
+) -> torch.Tensor:
     """[B, H_kv] int32 ragged per-head starts: head h of request b holds slots [start, N_b)."""
     gen = torch.Generator().manual_seed(seed)
     rows = []
@@ -221,7 +229,9 @@ def ref_window(
         keys, _ = paged.kv(b)
         n = keys.shape[1]
         qb = q[b].transpose(0, 1).to(dtype)  # [H_q, w, D]
-        logits = torch.einsum("hwd,hnd->hwn", qb, keys.to(dtype).repeat_interleave(group, 0)) * scale
+        logits = (
+            torch.einsum("hwd,hnd->hwn", qb, keys.to(dtype).repeat_interleave(group, 0)) * scale
+        )
         slot = torch.arange(n)
         lo = torch.zeros(hk, dtype=torch.long) if starts is None else starts[b].long()
         visible = (slot >= lo.repeat_interleave(group).view(-1, 1, 1)) & (
@@ -233,7 +243,9 @@ def ref_window(
     return scores, ent
 
 
-def policy_window(q: torch.Tensor, paged: Paged, starts: torch.Tensor | None, b: int, scale: float) -> torch.Tensor:
+def policy_window(
+    q: torch.Tensor, paged: Paged, starts: torch.Tensor | None, b: int, scale: float
+) -> torch.Tensor:
     """Request b's per-query-head probabilities [H_q, w, N] from ``policies.base.window_attention``."""
     keys, values = paged.kv(b)
     n = keys.shape[1]
@@ -272,7 +284,12 @@ def ref_lagkv(
             for p in range(int(num_parts[b])):
                 lo = int(starts[b, h]) + p * lag
                 sl, rl = slice(lo, lo + lag), slice(lo + lag, lo + 2 * lag)
-                args = (keys[h : h + 1, sl], values[h : h + 1, sl], keys[h : h + 1, rl], values[h : h + 1, rl])
+                args = (
+                    keys[h : h + 1, sl],
+                    values[h : h + 1, sl],
+                    keys[h : h + 1, rl],
+                    values[h : h + 1, rl],
+                )
                 s = lagkv_scores(*args) if dtype is None else lagkv_partition(*args, dtype)
                 out[b, h, p] = s[0]
     return out
@@ -285,11 +302,19 @@ def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Max |a - b| over finite-and-equal-aware entries (matching infinities count as 0)."""
     diff = (a.double() - b.double()).abs()
     same = a.double() == b.double()  # handles equal infinities
-    return float(torch.where(same, torch.zeros_like(diff), diff).nan_to_num(0.0).max()) if diff.numel() else 0.0
+    return (
+        float(torch.where(same, torch.zeros_like(diff), diff).nan_to_num(0.0).max())
+        if diff.numel()
+        else 0.0
+    )
 
 
 def assert_close_to_ref(
-    actual: torch.Tensor, ref64: torch.Tensor, ref_lp: torch.Tensor, factor: float = 4.0, what: str = ""
+    actual: torch.Tensor,
+    ref64: torch.Tensor,
+    ref_lp: torch.Tensor,
+    factor: float = 4.0,
+    what: str = "",
 ) -> None:
     """``actual`` within ``factor`` × (PyTorch's own error ``|ref_lp - ref64|``) of ``ref64``.
 
@@ -302,6 +327,12 @@ def assert_close_to_ref(
     dtype = actual.dtype if actual.dtype.is_floating_point else torch.float32
     atol = factor * lp_err + torch.finfo(dtype).eps * max(magnitude, 1.0)
     torch.testing.assert_close(
-        actual.double().cpu(), ref64.double().cpu(), atol=atol, rtol=0.0, equal_nan=True,
-        msg=lambda m: f"{what}: {m}\n(PyTorch's own {ref_lp.dtype} error {lp_err:.3g}, atol {atol:.3g})",
+        actual.double().cpu(),
+        ref64.double().cpu(),
+        atol=atol,
+        rtol=0.0,
+        equal_nan=True,
+        msg=lambda m: (
+            f"{what}: {m}\n(PyTorch's own {ref_lp.dtype} error {lp_err:.3g}, atol {atol:.3g})"
+        ),
     )

@@ -21,11 +21,19 @@ def _assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
 def test_compaction_matches_reference(case: Case) -> None:
     """Random sorted selections from ragged (or full) ranges: every kept cell moves right, and
     sources overlap other heads' and tokens' destinations."""
-    paged = make_paged(SEQ_LENS, KV_HEADS, case.head_dim, case.block_size, case.dtype, DEVICE, case.layout)
-    starts = random_starts(SEQ_LENS, KV_HEADS, min_len=0) if case.ragged else torch.zeros(len(SEQ_LENS), KV_HEADS, dtype=torch.int32)
+    paged = make_paged(
+        SEQ_LENS, KV_HEADS, case.head_dim, case.block_size, case.dtype, DEVICE, case.layout
+    )
+    starts = (
+        random_starts(SEQ_LENS, KV_HEADS, min_len=0)
+        if case.ragged
+        else torch.zeros(len(SEQ_LENS), KV_HEADS, dtype=torch.int32)
+    )
     kept, counts = random_selection(SEQ_LENS, starts, keep=0.4)
     want = ref_compact(paged.cpu(), kept, counts)
-    compact_heads(paged.cache, paged.block_table, paged.seq_lens, kept.to(DEVICE), counts.to(DEVICE))
+    compact_heads(
+        paged.cache, paged.block_table, paged.seq_lens, kept.to(DEVICE), counts.to(DEVICE)
+    )
     _assert_same(paged.cache, want)
 
 
@@ -35,7 +43,9 @@ def test_overlapping_chain() -> None:
     before = paged.cpu().cells(0)[0]
     kept = torch.tensor([[[0, 7, 9]]], dtype=torch.int32)
     counts = torch.tensor([[3]], dtype=torch.int32)
-    compact_heads(paged.cache, paged.block_table, paged.seq_lens, kept.to(DEVICE), counts.to(DEVICE))
+    compact_heads(
+        paged.cache, paged.block_table, paged.seq_lens, kept.to(DEVICE), counts.to(DEVICE)
+    )
     after = paged.cpu().cells(0)[0]
     _assert_same(after[7:], before[[0, 7, 9]])
     _assert_same(after[:7], before[:7])
@@ -54,7 +64,9 @@ def test_dense_shift_every_cell_overlaps(dtype: torch.dtype) -> None:
     before = paged.cpu().cells(0)
     kept = torch.arange(0, n - 1, dtype=torch.int32).expand(1, heads, -1).contiguous()
     counts = torch.full((1, heads), n - 1, dtype=torch.int32)
-    compact_heads(paged.cache, paged.block_table, paged.seq_lens, kept.to(DEVICE), counts.to(DEVICE))
+    compact_heads(
+        paged.cache, paged.block_table, paged.seq_lens, kept.to(DEVICE), counts.to(DEVICE)
+    )
     after = paged.cpu().cells(0)
     _assert_same(after[:, 1:], before[:, :-1])
     _assert_same(after[:, 0], before[:, 0])  # left of the new range: stale, untouched
@@ -66,5 +78,7 @@ def test_noop_and_empty_heads_leave_cache_untouched() -> None:
     kept = torch.zeros(2, 2, 33, dtype=torch.int32)
     kept[0, 0] = torch.arange(33)  # keeps everything: already in place
     counts = torch.tensor([[33, 0], [0, 0]], dtype=torch.int32)
-    compact_heads(paged.cache, paged.block_table, paged.seq_lens, kept.to(DEVICE), counts.to(DEVICE))
+    compact_heads(
+        paged.cache, paged.block_table, paged.seq_lens, kept.to(DEVICE), counts.to(DEVICE)
+    )
     _assert_same(paged.cache, before.cpu())

@@ -20,7 +20,16 @@ KV_HEADS = 2
 
 
 def _inputs(case: Case, seed: int = 0):
-    paged = make_paged(SEQ_LENS, KV_HEADS, case.head_dim, case.block_size, case.dtype, DEVICE, case.layout, seed=seed)
+    paged = make_paged(
+        SEQ_LENS,
+        KV_HEADS,
+        case.head_dim,
+        case.block_size,
+        case.dtype,
+        DEVICE,
+        case.layout,
+        seed=seed,
+    )
     gen = torch.Generator().manual_seed(seed + 10)
     batch, d = len(SEQ_LENS), case.head_dim
     q = torch.randn(batch, KV_HEADS * case.group, d, generator=gen).to(case.dtype).to(DEVICE)
@@ -29,7 +38,11 @@ def _inputs(case: Case, seed: int = 0):
     if case.comp:
         counts = torch.randint(0, 50, (batch, KV_HEADS), generator=gen).float()
         counts[0, 0] = 0.0  # one head with the token switched off
-        comp = (torch.randn(batch, KV_HEADS, d, generator=gen), torch.randn(batch, KV_HEADS, d, generator=gen), counts)
+        comp = (
+            torch.randn(batch, KV_HEADS, d, generator=gen),
+            torch.randn(batch, KV_HEADS, d, generator=gen),
+            counts,
+        )
     return paged, q, starts, comp
 
 
@@ -52,7 +65,14 @@ def test_decode_matches_reference(case: Case) -> None:
     paged, q, starts, comp = _inputs(case)
     k_hat, v_hat, counts = comp if comp is not None else (None, None, None)
     out, lse = decode_attention(
-        q, paged.cache, paged.block_table, paged.seq_lens, _dev(starts), _dev(k_hat), _dev(v_hat), _dev(counts),
+        q,
+        paged.cache,
+        paged.block_table,
+        paged.seq_lens,
+        _dev(starts),
+        _dev(k_hat),
+        _dev(v_hat),
+        _dev(counts),
         num_splits=3,
     )
     _check(case, paged, q, starts, comp, out, lse)
@@ -62,8 +82,15 @@ def test_decode_matches_reference(case: Case) -> None:
 def test_decode_split_count_does_not_change_result(num_splits: int) -> None:
     case = Case(torch.float32, 64, 16, 4, "NHC", True, True)
     paged, q, starts, comp = _inputs(case, seed=3)
-    out, lse = decode_attention(q, paged.cache, paged.block_table, paged.seq_lens, _dev(starts),
-                                *(_dev(t) for t in comp), num_splits=num_splits)
+    out, lse = decode_attention(
+        q,
+        paged.cache,
+        paged.block_table,
+        paged.seq_lens,
+        _dev(starts),
+        *(_dev(t) for t in comp),
+        num_splits=num_splits,
+    )
     _check(case, paged, q, starts, comp, out, lse)
 
 
@@ -83,11 +110,22 @@ def test_compensation_only_returns_v_hat() -> None:
     k_hat, v_hat, _ = comp
     counts = torch.full((len(SEQ_LENS), KV_HEADS), 5.0)
     starts = paged.seq_lens.view(-1, 1).expand(-1, KV_HEADS).contiguous()
-    out, lse = decode_attention(q, paged.cache, paged.block_table, paged.seq_lens, starts,
-                                _dev(k_hat), _dev(v_hat), _dev(counts))
+    out, lse = decode_attention(
+        q,
+        paged.cache,
+        paged.block_table,
+        paged.seq_lens,
+        starts,
+        _dev(k_hat),
+        _dev(v_hat),
+        _dev(counts),
+    )
     want = v_hat.repeat_interleave(case.group, dim=1)
     torch.testing.assert_close(out.cpu(), want)
-    logit = torch.einsum("bhd,bhd->bh", q.cpu(), k_hat.repeat_interleave(case.group, dim=1)) * case.head_dim**-0.5
+    logit = (
+        torch.einsum("bhd,bhd->bh", q.cpu(), k_hat.repeat_interleave(case.group, dim=1))
+        * case.head_dim**-0.5
+    )
     torch.testing.assert_close(lse.cpu(), logit + torch.log(torch.tensor(5.0)))
 
 

@@ -23,8 +23,7 @@ SEQ_LENS = [70, 1, 33]
 KV_HEADS = 2
 
 
-def test_auto_dispatch_rule(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ops.ENV_VAR, raising=False)
+def test_auto_dispatch_rule() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert ops.resolve_backend("decode_attention", cpu) == "torch"
     assert ops.resolve_backend("window_scores", cuda) == "triton"  # no CUDA kernel for it
@@ -35,8 +34,7 @@ def test_auto_dispatch_rule(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_forced_backends(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
-    monkeypatch.setenv(ops.ENV_VAR, "torch")
-    assert ops.resolve_backend("lagkv_scores", torch.device("cuda")) == "torch"
+    assert ops.resolve_backend("lagkv_scores", torch.device("cuda"), "torch") == "torch"
     with pytest.raises(ValueError, match="unknown kernel backend"):
         ops.resolve_backend("lagkv_scores", cpu, "tpu")
     with pytest.raises(RuntimeError, match="CUDA extension"):
@@ -49,7 +47,16 @@ def test_forced_backends(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _paged(case: Case, seed: int = 0):
-    return make_paged(SEQ_LENS, KV_HEADS, case.head_dim, case.block_size, case.dtype, DEVICE, case.layout, seed=seed)
+    return make_paged(
+        SEQ_LENS,
+        KV_HEADS,
+        case.head_dim,
+        case.block_size,
+        case.dtype,
+        DEVICE,
+        case.layout,
+        seed=seed,
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -60,9 +67,15 @@ def test_decode_attention(case: Case, backend: str) -> None:
     batch, d = len(SEQ_LENS), case.head_dim
     q = torch.randn(batch, KV_HEADS * case.group, d, generator=gen).to(case.dtype)
     starts = random_starts(SEQ_LENS, KV_HEADS, min_len=0)
-    comp = (torch.randn(batch, KV_HEADS, d), torch.randn(batch, KV_HEADS, d), torch.tensor([[2.0, 0.0]] * batch))
+    comp = (
+        torch.randn(batch, KV_HEADS, d),
+        torch.randn(batch, KV_HEADS, d),
+        torch.tensor([[2.0, 0.0]] * batch),
+    )
     args = (q.to(DEVICE), paged.cache, paged.block_table.long(), paged.seq_lens.long())
-    out, lse = ops.decode_attention(*args, starts.long().to(DEVICE), tuple(t.to(DEVICE) for t in comp), backend=backend)
+    out, lse = ops.decode_attention(
+        *args, starts.long().to(DEVICE), tuple(t.to(DEVICE) for t in comp), backend=backend
+    )
     o64, l64 = ref_decode(q, paged.cpu(), starts, d**-0.5, comp, torch.float64)
     o_lp, l_lp = ref_decode(q, paged.cpu(), starts, d**-0.5, comp, case.dtype)
     assert_close_to_ref(out, o64, o_lp, what="out")
@@ -82,13 +95,27 @@ def test_compact_heads(backend: str) -> None:
     starts = random_starts(SEQ_LENS, KV_HEADS, min_len=0)
     kept, counts = random_selection(SEQ_LENS, starts, keep=0.5)
     want = ref_compact(paged.cpu(), kept, counts)
-    ops.compact_heads(paged.cache, paged.block_table, paged.seq_lens, kept.long().to(DEVICE), counts.to(DEVICE), backend=backend)
+    ops.compact_heads(
+        paged.cache,
+        paged.block_table,
+        paged.seq_lens,
+        kept.long().to(DEVICE),
+        counts.to(DEVICE),
+        backend=backend,
+    )
     torch.testing.assert_close(paged.cache.cpu(), want, atol=0, rtol=0, equal_nan=True)
     # one request given as [H_kv, K_max] with a 1-d block-table row
     one = make_paged([40], KV_HEADS, 64, 16, torch.float32, DEVICE)
     kept1, counts1 = random_selection([40], torch.zeros(1, KV_HEADS, dtype=torch.int32), keep=0.3)
     want1 = ref_compact(one.cpu(), kept1, counts1)
-    ops.compact_heads(one.cache, one.block_table[0], one.seq_lens[0], kept1[0].to(DEVICE), counts1[0].to(DEVICE), backend=backend)
+    ops.compact_heads(
+        one.cache,
+        one.block_table[0],
+        one.seq_lens[0],
+        kept1[0].to(DEVICE),
+        counts1[0].to(DEVICE),
+        backend=backend,
+    )
     torch.testing.assert_close(one.cache.cpu(), want1, atol=0, rtol=0, equal_nan=True)
 
 
@@ -97,10 +124,19 @@ def test_window_scores(backend: str) -> None:
     case = COVER[3]
     paged = _paged(case)
     gen = torch.Generator().manual_seed(2)
-    q = torch.randn(len(SEQ_LENS), 1, KV_HEADS * case.group, case.head_dim, generator=gen).to(case.dtype)
+    q = torch.randn(len(SEQ_LENS), 1, KV_HEADS * case.group, case.head_dim, generator=gen).to(
+        case.dtype
+    )
     starts = random_starts(SEQ_LENS, KV_HEADS, min_len=1)
-    scores, ent = ops.window_scores(q.to(DEVICE), paged.cache, paged.block_table, paged.seq_lens, starts.to(DEVICE),
-                                    with_entropy=True, backend=backend)
+    scores, ent = ops.window_scores(
+        q.to(DEVICE),
+        paged.cache,
+        paged.block_table,
+        paged.seq_lens,
+        starts.to(DEVICE),
+        with_entropy=True,
+        backend=backend,
+    )
     s64, e64 = ref_window(q, paged.cpu(), starts, case.head_dim**-0.5, torch.float64)
     s_lp, e_lp = ref_window(q, paged.cpu(), starts, case.head_dim**-0.5, torch.float32)
     assert_close_to_ref(scores, s64, s_lp, what="scores")
@@ -113,7 +149,15 @@ def test_lagkv_scores(backend: str) -> None:
     paged = _paged(case)
     starts = torch.tensor([[4, 6], [0, 0], [0, 1]], dtype=torch.int32)  # 6 + (3 + 1) * 16 = 70 = N
     parts = torch.tensor([3, 0, 1])
-    got = ops.lagkv_scores(paged.cache, paged.block_table, paged.seq_lens, starts.to(DEVICE), (parts + 1).to(DEVICE), 16, backend=backend)
+    got = ops.lagkv_scores(
+        paged.cache,
+        paged.block_table,
+        paged.seq_lens,
+        starts.to(DEVICE),
+        (parts + 1).to(DEVICE),
+        16,
+        backend=backend,
+    )
     assert got.shape == (len(SEQ_LENS), KV_HEADS, 4, 16)  # 4 asked, at most 3 fit
     assert torch.equal(got[:, :, 3].cpu(), torch.zeros(len(SEQ_LENS), KV_HEADS, 16))
     got = got[:, :, :3]
@@ -121,7 +165,9 @@ def test_lagkv_scores(backend: str) -> None:
     assert_close_to_ref(got, want64, ref_lagkv(paged.cpu(), starts, parts.int(), 16, None))
 
 
-@pytest.mark.skipif(not INTERPRET and DEVICE == "cpu", reason="needs TRITON_INTERPRET=1 for Triton on CPU")
+@pytest.mark.skipif(
+    not INTERPRET and DEVICE == "cpu", reason="needs TRITON_INTERPRET=1 for Triton on CPU"
+)
 def test_triton_rejects_wrong_index_dtype() -> None:
     """The launchers take int32 only; ops converts, a direct call with int64 is an error."""
     from vllm_kvcomp.triton_kernels.compaction import compact_heads

@@ -25,6 +25,7 @@ from vllm_kvcomp.engine.metadata import StepMetadata, WorkerReport
 from vllm_kvcomp.engine.policy_factory import PolicyFactory
 from vllm_kvcomp.engine.scheduler import KVCompScheduler
 from vllm_kvcomp.engine.worker import KVCompWorker
+from vllm_kvcomp.server.metrics import KVCompPromMetrics
 
 CONNECTOR_NAME = "KVCompConnector"
 
@@ -142,3 +143,7 @@ class KVCompConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVCompStats | None:
         return KVCompStats(data=data) if data is not None else KVCompStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> KVCompPromMetrics:
+        return KVCompPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

