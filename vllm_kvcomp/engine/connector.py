@@ -72,6 +72,14 @@ class KVCompConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            raise NotImplementedError(
+                "vllm-kvcomp compresses KV on vLLM's CPU backend only in this release; the CUDA "
+                "engine path (FlashAttention/Triton backend subclasses) is not implemented yet. "
+                "Start the server without the KVCompConnector to serve uncompressed."
+            )
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention import Attention
         from vllm.model_executor.models.utils import extract_layer_index
