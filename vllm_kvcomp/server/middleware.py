@@ -66,7 +66,7 @@ class KVCompressionMiddleware:
             await _send_json(send, 400, err.to_json())
             return
         if spec is not None:
-            send = _ResponseRewriter(send, spec, self._tap, completion=scope["path"] == "/v1/completions")
+            send = _ResponseRewriter(send, spec, self._tap, completion=scope["path"] == protocol.COMPLETION_ROUTE)
         await self.app(_with_length(scope, len(raw)), _replay(raw, receive), send)
 
     def _setup(self, scope: Scope) -> None:

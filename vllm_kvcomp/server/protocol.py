@@ -28,7 +28,9 @@ BODY_FIELD = "kv_compression"
 XARGS_FIELD = "vllm_xargs"
 NO_COMPRESSION = "none"
 # Routes whose requests are compressed; every other route refuses compression settings.
-COMPRESSION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+CHAT_ROUTE = "/v1/chat/completions"
+COMPLETION_ROUTE = "/v1/completions"
+COMPRESSION_ROUTES = (CHAT_ROUTE, COMPLETION_ROUTE)
 ERROR_TYPE = "BadRequestError"  # what vLLM itself answers for HTTP 400
 
 
