@@ -254,3 +254,11 @@ def test_cli_checks_files_and_prints_the_schema(tmp_path, capsys):
     assert "bounds.max_window" in captured.err and "default.yaml: ok" in captured.out
     assert main(["schema"]) == 0
     assert json.loads(capsys.readouterr().out) == OperatorConfig.json_schema()
+
+
+def test_client_cannot_pick_another_profile_than_the_served_one():
+    config = OperatorConfig.validate_mapping({"profiles": {"razor": "default"}})
+    assert config.resolve(CompressionSpec.from_mapping({"policy": "razor", "profile": "default"})).policy == "razor"
+    with pytest.raises(SpecError) as err:
+        config.resolve(CompressionSpec.from_mapping({"policy": "razor", "profile": "other"}))
+    assert err.value.field == "profile"

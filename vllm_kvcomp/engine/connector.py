@@ -63,7 +63,8 @@ class KVCompConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = KVCompScheduler(block_size=block_size)
         else:
-            factory = PolicyFactory(vllm_config.model_config.model)
+            extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+            factory = PolicyFactory(vllm_config.model_config.model, extra.get("profiles"))
             self.worker = KVCompWorker(block_size=block_size, policy_builder=factory.build)
 
     @property

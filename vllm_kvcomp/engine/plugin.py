@@ -25,9 +25,16 @@ def register_with_vllm() -> None:
         register_backend(AttentionBackendEnum.CPU_ATTN, "vllm_kvcomp.engine.backends.cpu.KVCompCPUAttentionBackend")
 
 
-def kv_transfer_config() -> dict[str, Any]:
-    """The engine argument that turns kvcomp on (pass as ``kv_transfer_config=``)."""
-    return {"kv_connector": CONNECTOR_NAME, "kv_role": "kv_both"}
+def kv_transfer_config(profiles: dict[str, str] | None = None) -> dict[str, Any]:
+    """The engine argument that turns kvcomp on (pass as ``kv_transfer_config=``).
+
+    ``profiles`` maps a calibration kind (``razor``, ``pod``) to the profile the engine serves
+    for it: a name in ``<model>/kvcomp_profiles/`` or a path to a profile JSON file.
+    """
+    config: dict[str, Any] = {"kv_connector": CONNECTOR_NAME, "kv_role": "kv_both"}
+    if profiles:
+        config["kv_connector_extra_config"] = {"profiles": dict(profiles)}
+    return config
 
 
 def active_worker():

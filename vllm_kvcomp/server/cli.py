@@ -74,8 +74,14 @@ def prepare(args: argparse.Namespace, vllm_defaults: dict[str, Any], on_cpu: boo
     for name in PLATFORM_FLAGS:
         if getattr(args, name) is None:
             setattr(args, name, defaults[name])
+    operator = None
+    if args.kv_compression_config is not None:
+        path = Path(args.kv_compression_config).resolve()
+        operator = OperatorConfig.load(path)  # fail now, not on the first request
+        args.kv_compression_config = str(path)
     if args.kv_transfer_config is None:
-        args.kv_transfer_config = KVTransferConfig(**kv_transfer_config())
+        profiles = dict(operator.profiles) if operator is not None else None
+        args.kv_transfer_config = KVTransferConfig(**kv_transfer_config(profiles))
     elif args.kv_transfer_config.kv_connector != CONNECTOR_NAME:
         raise ValueError(
             f"--kv-transfer-config: kv_connector is {args.kv_transfer_config.kv_connector!r}; "
@@ -83,10 +89,6 @@ def prepare(args: argparse.Namespace, vllm_defaults: dict[str, Any], on_cpu: boo
         )
     if MIDDLEWARE not in args.middleware:
         args.middleware.append(MIDDLEWARE)
-    if args.kv_compression_config is not None:
-        path = Path(args.kv_compression_config).resolve()
-        OperatorConfig.load(path)  # fail now, not on the first request
-        args.kv_compression_config = str(path)
 
 
 def cpu_defaults(model: str) -> dict[str, Any]:

@@ -226,6 +226,9 @@ class OperatorConfig:
                 f"policy {policy!r} needs a {kind!r} calibration profile and this server has none loaded",
                 ", ".join(self.usable_policies()),
             )
+        asked = requested.extras.get("profile")
+        if kind is not None and asked not in (None, "default"):
+            raise SpecError("profile", f"this server serves one {kind!r} calibration profile", "default")
         spec = requested.with_defaults(self.policies.get(policy, {}))
         self.bounds.check(spec.build_policy())
         return spec
