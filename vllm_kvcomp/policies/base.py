@@ -137,22 +137,29 @@ def reduce_gqa(per_query_head: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return per_query_head.reshape(num_kv_heads, hq // num_kv_heads, *per_query_head.shape[1:]).mean(1)
 
 
-def window_attention(kv: LayerKV) -> torch.Tensor:
-    """Softmax attention of the window queries over each head's live keys.
+def window_logits(kv: LayerKV) -> torch.Tensor:
+    """[H_q, w, N] scaled logits of the window queries; -inf on invalid or future (causal) slots.
 
-    Returns [H_q, w, N] float32 probabilities, zero on invalid or future (causal) slots.
+    Computed in float32 (float64 for float64 inputs).
     """
     if kv.queries is None:
         raise ValueError("this policy needs observation-window queries, none were captured")
-    hq, _, _ = kv.queries.shape
-    group = hq // kv.num_kv_heads
-    keys = kv.keys.float().repeat_interleave(group, dim=0)  # [H_q, N, D]
-    logits = torch.einsum("hwd,hnd->hwn", kv.queries.float(), keys) * kv.softmax_scale
+    group = kv.queries.shape[0] // kv.num_kv_heads
+    acc = torch.float64 if kv.keys.dtype == torch.float64 else torch.float32
+    keys = kv.keys.to(acc).repeat_interleave(group, dim=0)  # [H_q, N, D]
+    logits = torch.einsum("hwd,hnd->hwn", kv.queries.to(acc), keys) * kv.softmax_scale
     key_pos = kv.slot_positions().repeat_interleave(group, dim=0)  # [H_q, N]
     q_pos = kv.window_query_positions()  # [w]
     visible = (key_pos.unsqueeze(1) >= 0) & (key_pos.unsqueeze(1) <= q_pos.view(1, -1, 1))
-    logits = logits.masked_fill(~visible.to(logits.device), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    return logits.masked_fill(~visible.to(logits.device), float("-inf"))
+
+
+def window_attention(kv: LayerKV) -> torch.Tensor:
+    """Softmax attention of the window queries over each head's live keys.
+
+    Returns [H_q, w, N] probabilities, zero on invalid or future (causal) slots.
+    """
+    probs = torch.softmax(window_logits(kv), dim=-1)
     return torch.nan_to_num(probs, nan=0.0)
 
 

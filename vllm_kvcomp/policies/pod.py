@@ -39,6 +39,7 @@ from vllm_kvcomp.policies.base import (
     Selection,
     protected_topk,
     reduce_gqa,
+    window_logits,
 )
 from vllm_kvcomp.policies.compensation import attention_with_lse
 from vllm_kvcomp.policies.razor import PROFILE_PARAM, check_profile_name
@@ -160,7 +161,7 @@ class POD(Policy):
                 continue
             # the lowest layer of the group that this call sees (all of it, unless layers are sharded)
             anchor = present[0]
-            anchor_logits = _window_logits(anchor)
+            anchor_logits = window_logits(anchor)
             _, anchor_distant = self._split(anchor)
             d_mask = anchor_distant.repeat_interleave(_group_size(anchor), 0).unsqueeze(1)
             d_logits = anchor_logits.masked_fill(~d_mask, float("-inf"))
@@ -168,7 +169,7 @@ class POD(Policy):
             probs = torch.softmax(d_logits, -1).nan_to_num(0.0)  # eq. 3 distant softmax
             by_position = _scores_by_position(anchor, reduce_gqa(probs.mean(1), anchor.num_kv_heads))
             for kv in present:
-                logits = anchor_logits if kv is anchor else _window_logits(kv)
+                logits = anchor_logits if kv is anchor else window_logits(kv)
                 out[kv.layer] = self._select_layer(kv, state, logits, lse_distant, by_position)
         return [out[kv.layer] for kv in layers]
 
@@ -215,18 +216,6 @@ def _group_size(kv: LayerKV) -> int:
     if kv.queries is None or kv.queries.shape[1] == 0:
         raise ValueError("pod needs observation-window queries, none were captured")
     return kv.queries.shape[0] // kv.num_kv_heads
-
-
-def _window_logits(kv: LayerKV) -> torch.Tensor:
-    """[H_q, w, N] float scaled logits of the window queries; -inf on invalid or future slots."""
-    group = _group_size(kv)
-    acc = torch.float64 if kv.keys.dtype == torch.float64 else torch.float32
-    keys = kv.keys.to(acc).repeat_interleave(group, dim=0)
-    logits = torch.einsum("hwd,hnd->hwn", kv.queries.to(acc), keys) * kv.softmax_scale
-    key_pos = kv.slot_positions().repeat_interleave(group, dim=0)
-    q_pos = kv.window_query_positions()
-    visible = (key_pos.unsqueeze(1) >= 0) & (key_pos.unsqueeze(1) <= q_pos.view(1, -1, 1))
-    return logits.masked_fill(~visible, float("-inf"))
 
 
 def _scores_by_position(kv: LayerKV, scores: torch.Tensor) -> torch.Tensor:
