@@ -24,6 +24,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="HF model folder (default: the bundled SmolLM2)")
     parser.add_argument("--lengths", default="2048,4096")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policies", default=",".join(POLICY_NAMES))
     args = parser.parse_args()
     model_dir = args.model or str(default_model_dir())
     model = load_model(model_dir)
@@ -34,7 +35,7 @@ def main() -> None:
     print("| policy | " + " | ".join(f"N={n} kept (max head)" for n in lengths) + " |")
     print("|---|" + "---|" * len(lengths))
     prompts = {n: torch.randint(100, cfg.vocab_size, (n,), generator=gen).tolist() for n in lengths}
-    for name in POLICY_NAMES:
+    for name in args.policies.split(","):
         policy = load_for_policy(CompressionSpec(policy=name).build_policy(), model_dir)
         row = []
         for n in lengths:

@@ -155,6 +155,9 @@ class CompressionSpec:
         if not isinstance(data, Mapping):
             raise SpecError("kv_compression", f"expected an object, got {type(data).__name__}")
         items = {str(k).strip().lower(): v for k, v in data.items()}
+        if "policy" not in items and items:
+            raise SpecError("policy", f"missing: settings {sorted(items)} need a policy",
+                            ", ".join((*POLICY_NAMES, "none")))
         policy = items.pop("policy", "full")
         if not isinstance(policy, str) or policy.strip().lower() not in (*POLICY_NAMES, "none"):
             raise SpecError("policy", f"unknown policy {policy!r}", ", ".join((*POLICY_NAMES, "none")))
@@ -288,6 +291,5 @@ def kept_count(n_tokens: int, ratio: float | None, budget: int | None) -> int:
 
 
 def _fmt(value: Scalar) -> str:
-    if isinstance(value, float):
-        return f"{value:g}"
-    return str(value)
+    """Header text of a value; floats use the shortest exact round-trip form."""
+    return repr(value) if isinstance(value, float) else str(value)

@@ -246,3 +246,15 @@ def test_round_trips(spec):
     assert CompressionSpec.from_header(spec.to_header()) == spec
     assert CompressionSpec.from_mapping(spec.to_dict()) == spec
     assert spec.with_defaults({}) == spec
+
+
+def test_header_round_trips_floats_exactly():
+    spec = CompressionSpec.from_mapping({"policy": "snapkv", "ratio": 0.1234567891})
+    assert CompressionSpec.from_header(spec.to_header()) == spec
+
+
+def test_settings_without_a_policy_name_the_missing_policy():
+    with pytest.raises(SpecError) as err:
+        CompressionSpec.from_header("ratio=0.5")
+    assert err.value.field == "policy"
+    assert "snapkv" in err.value.allowed
