@@ -186,3 +186,12 @@ def test_dockerignore_sends_the_package_and_nothing_else():
             if word == "COPY" and "--from=" not in rest:
                 source = rest.split()[-2]
                 assert source == "." or not dockerignored(source.rstrip("/"), lines), source
+
+
+def test_images_use_the_build_switch_setup_py_reads():
+    import re
+
+    switch = re.search(r'os\.environ\.get\("([A-Z_]+)"', (ROOT / "setup.py").read_text()).group(1)
+    for name in ("Dockerfile", "Dockerfile.cpu"):
+        text = (ROOT / "deploy" / "docker" / name).read_text()
+        assert f"ENV {switch}=" in text, f"{name} must set {switch}"
