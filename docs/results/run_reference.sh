@@ -11,5 +11,5 @@ until curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do sleep 2; done
 python3 -m vllm_kvcomp eval --url "http://127.0.0.1:$PORT" --model SmolLM2-135M-Instruct \
   --tasks passkey5,passkey64,niah,multi_niah,multiturn \
   --policies full,streamingllm,snapkv,h2o,knorm,sagekv,lagkv,entropy,razor,pod --ratios 0.5,0.25 \
-  --lengths 1k,2k,4k --samples 2 --seed 0 --concurrency 2 \
+  --lengths 1k,2k,4k --samples 1 --seed 0 --concurrency 2 \
   --out docs/results/reference.jsonl --summary docs/results/reference.md --plots docs/results
