@@ -6,7 +6,7 @@ import torch
 import triton
 
 from ._decode import _decode_merge_kernel, _decode_split_kernel
-from .utils import SUPPORTED_DTYPES, CacheView, check_int_table, dot_f32, per_head
+from .utils import CacheView, check_int_table, check_query, dot_f32, per_head
 
 
 def decode_attention(
@@ -34,14 +34,7 @@ def decode_attention(
     """
     view = CacheView.of(kv_cache)
     batch, hq, d = q.shape
-    if d != view.head_dim or hq % view.num_heads or q.stride(-1) != 1:
-        raise ValueError(
-            f"q {tuple(q.shape)} does not match a cache of {view.num_heads} heads of dim {view.head_dim}"
-        )
-    if q.dtype not in SUPPORTED_DTYPES or kv_cache.dtype != q.dtype:
-        raise ValueError(
-            f"q and kv_cache must share one of {SUPPORTED_DTYPES}, got {q.dtype}/{kv_cache.dtype}"
-        )
+    check_query(q, view, kv_cache)
     check_int_table("block_table", block_table, 2)
     check_int_table("seq_lens", seq_lens, 1)
     if start is None:

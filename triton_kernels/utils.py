@@ -50,6 +50,19 @@ class CacheView:
         return cls(bs, h, c // 2, s_blk, s_tok, s_head)
 
 
+def check_query(q: torch.Tensor, view: CacheView, kv_cache: torch.Tensor) -> None:
+    """q [..., H_q, D] must match the cache's heads/dim and share its supported dtype."""
+    hq, d = q.shape[-2:]
+    if d != view.head_dim or hq % view.num_heads or q.stride(-1) != 1:
+        raise ValueError(
+            f"q {tuple(q.shape)} does not match a cache of {view.num_heads} heads of dim {view.head_dim}"
+        )
+    if q.dtype not in SUPPORTED_DTYPES or kv_cache.dtype != q.dtype:
+        raise ValueError(
+            f"q and kv_cache must share one of {SUPPORTED_DTYPES}, got {q.dtype}/{kv_cache.dtype}"
+        )
+
+
 def check_int_table(name: str, t: torch.Tensor, dims: int) -> None:
     """Index tensors are int32 with the given rank (ops.py converts before calling)."""
     if t.dtype != torch.int32 or t.dim() != dims:

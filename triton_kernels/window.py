@@ -6,7 +6,7 @@ import torch
 import triton
 
 from ._window import _window_combine_kernel, _window_partial_kernel, _window_scores_kernel
-from .utils import SUPPORTED_DTYPES, CacheView, check_int_table, dot_f32, per_head
+from .utils import CacheView, check_int_table, check_query, dot_f32, per_head
 
 
 def window_scores(
@@ -32,14 +32,7 @@ def window_scores(
     """
     view = CacheView.of(kv_cache)
     batch, w, hq, d = q.shape
-    if d != view.head_dim or hq % view.num_heads or q.stride(-1) != 1:
-        raise ValueError(
-            f"q {tuple(q.shape)} does not match a cache of {view.num_heads} heads of dim {view.head_dim}"
-        )
-    if q.dtype not in SUPPORTED_DTYPES or kv_cache.dtype != q.dtype:
-        raise ValueError(
-            f"q and kv_cache must share one of {SUPPORTED_DTYPES}, got {q.dtype}/{kv_cache.dtype}"
-        )
+    check_query(q, view, kv_cache)
     check_int_table("block_table", block_table, 2)
     check_int_table("seq_lens", seq_lens, 1)
     if chunk < 64 or chunk % 64:

@@ -36,6 +36,13 @@ class Case:
         flags = ("ragged" if self.ragged else "full") + ("-comp" if self.comp else "")
         return f"{dt}-d{self.head_dim}-bs{self.block_size}-g{self.group}-{self.layout}-{flags}"
 
+    def paged(self, seq_lens: list[int], kv_heads: int, seed: int = 0):
+        """The paged fixture (random block-table permutation) for this case on DEVICE."""
+        from tests.helpers.kernel_refs import make_paged
+
+        return make_paged(seq_lens, kv_heads, self.head_dim, self.block_size, self.dtype, DEVICE, self.layout,
+                          seed=seed)
+
 
 COVER = [
     Case(torch.float32, 64, 16, 1, "NHC", True, True),

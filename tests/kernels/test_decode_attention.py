@@ -9,7 +9,6 @@ from vllm_kvcomp.triton_kernels.decode import decode_attention
 from tests.helpers.kernel_refs import (
     Paged,
     assert_close_to_ref,
-    make_paged,
     random_starts,
     ref_decode,
 )
@@ -20,16 +19,7 @@ KV_HEADS = 2
 
 
 def _inputs(case: Case, seed: int = 0):
-    paged = make_paged(
-        SEQ_LENS,
-        KV_HEADS,
-        case.head_dim,
-        case.block_size,
-        case.dtype,
-        DEVICE,
-        case.layout,
-        seed=seed,
-    )
+    paged = case.paged(SEQ_LENS, KV_HEADS, seed)
     gen = torch.Generator().manual_seed(seed + 10)
     batch, d = len(SEQ_LENS), case.head_dim
     q = torch.randn(batch, KV_HEADS * case.group, d, generator=gen).to(case.dtype).to(DEVICE)

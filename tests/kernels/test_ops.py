@@ -47,16 +47,7 @@ def test_forced_backends(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _paged(case: Case, seed: int = 0):
-    return make_paged(
-        SEQ_LENS,
-        KV_HEADS,
-        case.head_dim,
-        case.block_size,
-        case.dtype,
-        DEVICE,
-        case.layout,
-        seed=seed,
-    )
+    return case.paged(SEQ_LENS, KV_HEADS, seed)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

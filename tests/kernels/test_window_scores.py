@@ -8,7 +8,6 @@ from vllm_kvcomp.triton_kernels.window import window_scores
 
 from tests.helpers.kernel_refs import (
     assert_close_to_ref,
-    make_paged,
     policy_window,
     random_starts,
     ref_window,
@@ -20,16 +19,7 @@ KV_HEADS = 2
 
 
 def _inputs(case: Case, window: int, seed: int = 0):
-    paged = make_paged(
-        SEQ_LENS,
-        KV_HEADS,
-        case.head_dim,
-        case.block_size,
-        case.dtype,
-        DEVICE,
-        case.layout,
-        seed=seed,
-    )
+    paged = case.paged(SEQ_LENS, KV_HEADS, seed)
     gen = torch.Generator().manual_seed(seed + 20)
     q = torch.randn(len(SEQ_LENS), window, KV_HEADS * case.group, case.head_dim, generator=gen).to(
         case.dtype
