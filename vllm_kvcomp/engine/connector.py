@@ -10,6 +10,8 @@ the connector only uses the hooks for metadata, confirmations and stats.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,6 +56,55 @@ class KVCompStats(KVConnectorStats):
         return not self.data.get("events") and "saved_blocks" not in self.data
 
 
+def paged_layout(
+    platform: str | None,
+    layers: dict[str, Any],
+    kv_caches: dict[str, torch.Tensor],
+    block_size: int,
+) -> Callable[[torch.Tensor], Any]:
+    """The worker's :class:`~vllm_kvcomp.engine.worker.PagedKV` class for this engine, after
+    checking that every attention layer runs a kvcomp backend on a layout we can move tokens in.
+
+    ``layers`` maps layer name -> vLLM ``Attention`` module; raises ``NotImplementedError`` with
+    what to change otherwise.
+    """
+    from vllm_kvcomp.engine.backends.common import KVCompAttentionMixin
+
+    if platform not in ("cpu", "cuda"):
+        raise NotImplementedError(
+            f"vllm-kvcomp compresses KV on CPU and CUDA platforms only (this one: {platform or 'other'}); "
+            "start vLLM without the KVCompConnector to serve uncompressed"
+        )
+    for name, layer in layers.items():
+        impl = getattr(layer, "impl", None)
+        if not isinstance(impl, KVCompAttentionMixin):
+            raise NotImplementedError(
+                f"layer {name} runs attention backend {type(impl).__name__}, which vllm-kvcomp does not "
+                "hook; supported: CPU_ATTN on CPU, FLASH_ATTN or TRITON_ATTN on CUDA "
+                "(pass --attention-backend FLASH_ATTN)"
+            )
+        if getattr(layer, "sliding_window", None) is not None:
+            raise NotImplementedError(
+                f"layer {name} uses sliding-window attention, whose mask counts absolute slots; "
+                "vllm-kvcomp supports full-attention models only"
+            )
+    for name, cache in kv_caches.items():
+        if cache.dim() != 4 or cache.shape[2] != block_size:
+            raise NotImplementedError(
+                f"layer {name}: KV cache of shape {tuple(cache.shape)} does not hold {block_size}-token "
+                "blocks as [num_blocks, heads, block_size, 2*head_size]; pass a --block-size the "
+                "attention backend uses natively (e.g. 16)"
+            )
+    if platform == "cpu":
+        from vllm_kvcomp.engine.cpu_layout import CpuPagedKV
+
+        isa = next((getattr(layer, "isa", "vec") for layer in layers.values()), "vec")
+        return functools.partial(CpuPagedKV, isa=isa)
+    from vllm_kvcomp.engine.flash_layout import FlashPagedKV
+
+    return FlashPagedKV
+
+
 class KVCompConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -63,6 +114,11 @@ class KVCompConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = KVCompScheduler(block_size=block_size)
         else:
+            if vllm_config.speculative_config is not None:
+                raise ValueError(
+                    "vllm-kvcomp does not support speculative decoding yet (draft models read the full "
+                    "block tables): start vLLM without --speculative-config to use the KVCompConnector"
+                )
             extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
             factory = PolicyFactory(vllm_config.model_config.model, extra.get("profiles"))
             self.worker = KVCompWorker(block_size=block_size, policy_builder=factory.build)
@@ -73,22 +129,22 @@ class KVCompConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_cpu():
-            raise NotImplementedError(
-                "vllm-kvcomp compresses KV on vLLM's CPU backend only in this release; the CUDA "
-                "engine path (FlashAttention/Triton backend subclasses) is not implemented yet. "
-                "Start the server without the KVCompConnector to serve uncompressed."
-            )
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention import Attention
         from vllm.model_executor.models.utils import extract_layer_index
+        from vllm.platforms import current_platform
 
+        platform = "cpu" if current_platform.is_cpu() else "cuda" if current_platform.is_cuda() else None
         layers = get_layers_from_vllm_config(self._vllm_config, Attention, list(kv_caches))
-        isa = next((getattr(layer, "isa", "vec") for layer in layers.values()), "vec")
+        layout = paged_layout(platform, layers, kv_caches, self._vllm_config.cache_config.block_size)
         index = {name: extract_layer_index(name) for name in kv_caches}
-        self.worker.register(kv_caches, index, isa)
+        self.worker.register(kv_caches, index, layout)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Yes: compressed rows are attended in the backend's Python ``forward``, which a full
+        CUDA graph replay skips; PIECEWISE graphs run attention eagerly between pieces."""
+        return True
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from vllm_kvcomp.policies.base import Compensation
+from vllm_kvcomp.policies.compensation import stack_compensation
+
 SUPPORTED_ISAS = ("vec",)
 
 
@@ -60,3 +63,41 @@ class CpuPagedKV:
         blocks, offs = self._locate(block_table, slots)
         self.keys_t[blocks, head, :, offs] = keys.to(self.keys_t.dtype)
         self.values[blocks, head, offs, :] = values.to(self.values.dtype)
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        starts: torch.Tensor,
+        compensation: list[Compensation | None],
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of one query per row, q [R, H_q, D], over each head's live suffix
+        ``[starts[r, h], seq_lens[r])`` plus the row's compensation token (eq. 5), all rows in one
+        batched fp32 computation -> out [R, H_q, D]."""
+        rows, hq, d = q.shape
+        hk = starts.shape[1]
+        group = hq // hk
+        seq = seq_lens.long()
+        lo = starts.min(dim=1).values.long()  # [R]
+        width = max(int((seq - lo).max()), 1)
+        slots = lo.unsqueeze(1) + torch.arange(width)  # [R, S]
+        live = (slots.unsqueeze(1) >= starts.unsqueeze(2)) & (slots < seq.unsqueeze(1)).unsqueeze(1)  # [R, H, S]
+        slots = torch.minimum(slots, (seq - 1).unsqueeze(1))
+        blocks = block_tables.long().gather(1, slots // self.block_size)
+        offs = slots % self.block_size
+        keys = self.keys_t[blocks, :, :, offs].float()  # [R, S, H, D]
+        values = self.values[blocks, :, offs, :].float()
+        qg = q.float().view(rows, hk, group, d)
+        logits = torch.einsum("rkgd,rskd->rkgs", qg, keys) * scale
+        logits.masked_fill_(~live.unsqueeze(2), float("-inf"))
+        comp = stack_compensation(compensation, hk, d)
+        if comp is None:
+            probs = torch.softmax(logits, dim=-1)
+            return torch.einsum("rkgs,rskd->rkgd", probs, values).reshape(rows, hq, d)
+        k_hat, v_hat, counts = comp
+        extra = torch.einsum("rkgd,rkd->rkg", qg, k_hat) * scale + counts.log().unsqueeze(2)  # log 0 = -inf: off
+        probs = torch.softmax(torch.cat([logits, extra.unsqueeze(3)], dim=3), dim=-1)
+        out = torch.einsum("rkgs,rskd->rkgd", probs[..., :-1], values) + probs[..., -1:] * v_hat.unsqueeze(2)
+        return out.reshape(rows, hq, d)

@@ -1,7 +1,8 @@
 """Registration with vLLM (called by the ``vllm.general_plugins`` entry point, idempotent).
 
-- Attention backend: on CPU, vLLM always picks ``CPU_ATTN``; we register our subclass under that
-  name. It behaves exactly like the parent unless the kvcomp connector is active.
+- Attention backends: our subclasses are registered under vLLM's own names (``CPU_ATTN`` on CPU;
+  ``FLASH_ATTN`` and ``TRITON_ATTN`` on CUDA). Each behaves exactly like its parent unless the
+  kvcomp connector is active. Other backends (FlashInfer, MLA, ...) are refused by the connector.
 - KV connector: registered as ``KVCompConnector``; enabling compression is the one engine
   argument ``kv_transfer_config=kv_transfer_config()``.
 """
@@ -21,8 +22,22 @@ def register_with_vllm() -> None:
 
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, "KVCompConnector")
-    if current_platform.is_cpu():
-        register_backend(AttentionBackendEnum.CPU_ATTN, "vllm_kvcomp.engine.backends.cpu.KVCompCPUAttentionBackend")
+    platform = "cpu" if current_platform.is_cpu() else "cuda" if current_platform.is_cuda() else None
+    for name, path in backend_overrides(platform).items():
+        register_backend(AttentionBackendEnum[name], path)
+
+
+def backend_overrides(platform: str | None) -> dict[str, str]:
+    """vLLM backend name -> our subclass (import path, loaded lazily by vLLM) on ``platform``."""
+    prefix = "vllm_kvcomp.engine.backends"
+    if platform == "cpu":
+        return {"CPU_ATTN": f"{prefix}.cpu.KVCompCPUAttentionBackend"}
+    if platform == "cuda":
+        return {
+            "FLASH_ATTN": f"{prefix}.flash_attn.KVCompFlashAttentionBackend",
+            "TRITON_ATTN": f"{prefix}.triton_attn.KVCompTritonAttentionBackend",
+        }
+    return {}
 
 
 def kv_transfer_config(profiles: dict[str, str] | None = None) -> dict[str, Any]:

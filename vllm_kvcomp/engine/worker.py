@@ -4,6 +4,9 @@ Per step: ``bind`` receives the scheduler's :class:`StepMetadata`; every attenti
 :meth:`KVCompWorker.after_attention` (from the backend subclass) to capture window queries and
 to recompute the rows of compressed requests over their kept tokens; ``finish_step`` (from
 ``wait_for_save``, after the whole forward) runs the policies and compacts the paged KV.
+The platform only enters through the :class:`PagedKV` layout of each layer's cache (CPU: torch
+recomputation; GPU: the per-head decode kernel of :mod:`vllm_kvcomp.ops`); policies score on the
+host.
 """
 
 from __future__ import annotations
@@ -11,10 +14,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
-from vllm_kvcomp.engine.cpu_layout import CpuPagedKV
 from vllm_kvcomp.engine.metadata import (
     CompressionEvent,
     ScheduledRequest,
@@ -31,6 +34,26 @@ logger = logging.getLogger(__name__)
 PolicyBuilder = Callable[[CompressionSpec], object]
 
 
+class PagedKV(Protocol):
+    """One layer's paged KV cache in some backend's layout (``cpu_layout``, ``flash_layout``).
+
+    Layouts that also define ``decode(q, block_tables, seq_lens, starts, compensation, scale)``
+    attend over per-head suffixes with a kernel; the others are recomputed in torch from ``read``.
+    """
+
+    block_size: int
+
+    def read(self, block_table: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def read_head(
+        self, block_table: torch.Tensor, head: int, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def write_head(
+        self, block_table: torch.Tensor, head: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> None: ...
+
+
 class KVCompWorker:
     """Worker-side state for every tracked request of this worker."""
 
@@ -38,21 +61,27 @@ class KVCompWorker:
         self.block_size = block_size
         self.build_policy = policy_builder
         self.layer_index: dict[str, int] = {}
-        self.paged: list[CpuPagedKV] = []
+        self.paged: list[PagedKV] = []
         self.requests: dict[str, CompressedRequest] = {}
         self.step: dict[str, ScheduledRequest] = {}
         self._slot_to_req: dict[int, str] = {}
-        self._rows: list[tuple[int, str]] | None = None  # (row, req_id) of tracked rows
+        self._rows: list[tuple[int, str, int, int]] | None = None  # (row, req_id, first, end token) tracked
         self.step_cache: dict[int, object] = {}  # backend-derived per-step objects, e.g. trimmed metadata
         self._report = WorkerReport()
         self.scale: float | None = None
         self.num_kv_heads = 0
 
     # ------------------------------------------------------------------ setup
-    def register(self, kv_caches: dict[str, torch.Tensor], layer_index: dict[str, int], isa: str) -> None:
+    def register(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        layer_index: dict[str, int],
+        layout: Callable[[torch.Tensor], PagedKV],
+    ) -> None:
+        """Wrap every layer's cache with ``layout`` (the platform's :class:`PagedKV` class)."""
         order = sorted(kv_caches, key=lambda n: layer_index[n])
         self.layer_index = {name: i for i, name in enumerate(order)}
-        self.paged = [CpuPagedKV(kv_caches[name], isa) for name in order]
+        self.paged = [layout(kv_caches[name]) for name in order]
         self.num_kv_heads = kv_caches[order[0]].shape[1]
 
     # ------------------------------------------------------------------ per step
@@ -89,16 +118,20 @@ class KVCompWorker:
             compensation=[None] * num_layers,
         )
 
-    def tracked_rows(self, query_start_loc: torch.Tensor, slot_mapping: torch.Tensor) -> list[tuple[int, str]]:
-        """Batch rows of tracked requests, found by the slot of each row's first new token."""
+    def tracked_rows(
+        self, query_start_loc: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> list[tuple[int, str, int, int]]:
+        """(row, req_id, first token, end token) of tracked requests' batch rows, found by the
+        slot of each row's first new token (one host read per step, cached)."""
         if self._rows is None:
             rows = []
             if self._slot_to_req:
-                starts = query_start_loc[:-1].tolist()
-                for row, start in enumerate(starts):
-                    rid = self._slot_to_req.get(int(slot_mapping[start]))
+                bounds = query_start_loc.tolist()
+                first_slots = slot_mapping[query_start_loc[:-1].long()].tolist()
+                for row, slot in enumerate(first_slots):
+                    rid = self._slot_to_req.get(int(slot))
                     if rid is not None:
-                        rows.append((row, rid))
+                        rows.append((row, rid, bounds[row], bounds[row + 1]))
             self._rows = rows
         return self._rows
 
@@ -119,43 +152,70 @@ class KVCompWorker:
             return
         layer = self.layer_index[layer_name]
         self.scale = scale
-        for row, rid in self.tracked_rows(query_start_loc, slot_mapping):
+        evicted = []
+        for row, rid, lo, hi in self.tracked_rows(query_start_loc, slot_mapping):
             state, sched = self.requests[rid], self.step[rid]
-            lo, hi = int(query_start_loc[row]), int(query_start_loc[row + 1])
-            q = query[lo:hi]
             window = state.windows[layer]
             if window.size:
-                window.push(q, torch.arange(sched.num_computed, sched.num_computed + (hi - lo)))
+                window.push(query[lo:hi], torch.arange(sched.num_computed, sched.num_computed + (hi - lo)))
             if state.evicted:
-                output[lo:hi] = self._attend(state, layer, q, block_table[row], int(seq_lens[row]), scale).to(
-                    output.dtype
-                )
+                evicted.append((row, lo, hi, state))
+        if evicted:
+            self._attend_rows(layer, evicted, query, output, seq_lens, block_table, scale)
+
+    def _attend_rows(
+        self,
+        layer: int,
+        rows: list[tuple[int, int, int, CompressedRequest]],
+        query: torch.Tensor,
+        output: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        scale: float,
+    ) -> None:
+        """Overwrite ``output`` rows of evicted requests with exact attention over kept tokens: one
+        kernel call for all one-token rows where the layout has ``decode``, else torch per row."""
+        paged = self.paged[layer]
+        decode = getattr(paged, "decode", None)
+        if decode is not None and all(hi - lo == 1 for _, lo, hi, _ in rows):
+            device = query.device
+            token = torch.tensor([lo for _, lo, _, _ in rows], device=device)
+            row = torch.tensor([r for r, _, _, _ in rows], device=device)
+            starts = torch.stack([state.starts[layer] for *_, state in rows])
+            comp = [state.compensation[layer] for *_, state in rows]
+            out = decode(query[token], block_table[row], seq_lens[row], starts, comp, scale)
+            output[token] = out.to(output.dtype)
+            return
+        for r, lo, hi, state in rows:
+            out = self._attend(state, layer, query[lo:hi], block_table[r], int(seq_lens[r]), scale)
+            output[lo:hi] = out.to(output.dtype)
 
     def rows_to_recompute(self, query_start_loc: torch.Tensor, slot_mapping: torch.Tensor) -> list[int]:
         """Rows whose attention this worker recomputes in every layer (their request evicted)."""
-        return [row for row, rid in self.tracked_rows(query_start_loc, slot_mapping) if self.requests[rid].evicted]
+        return [row for row, rid, _, _ in self.tracked_rows(query_start_loc, slot_mapping) if self.requests[rid].evicted]
 
     def _attend(
         self, state: CompressedRequest, layer: int, q: torch.Tensor, table: torch.Tensor, seq_len: int, scale: float
     ) -> torch.Tensor:
         """Exact attention of q [n, H_q, D] over each head's live suffix (+ compensation)."""
-        starts = state.starts[layer]
+        device = q.device
+        starts = state.starts[layer].to(device)
         lo = int(starts.min())
-        slots = torch.arange(lo, seq_len)
+        slots = torch.arange(lo, seq_len, device=device)
         keys, values = self.paged[layer].read(table, slots)  # [S, H_kv, D]
         group = q.shape[1] // keys.shape[1]
         keys = keys.repeat_interleave(group, dim=1)
         values = values.repeat_interleave(group, dim=1)
         n = q.shape[0]
         head_start = starts.repeat_interleave(group).view(-1, 1, 1)  # [H_q, 1, 1]
-        q_pos = torch.arange(seq_len - n, seq_len).view(1, -1, 1)
+        q_pos = torch.arange(seq_len - n, seq_len, device=device).view(1, -1, 1)
         mask = (slots.view(1, 1, -1) >= head_start) & (slots.view(1, 1, -1) <= q_pos)
         out, lse = attention_with_lse(q, keys, values, scale, mask)
         comp = state.compensation[layer]
         if comp is not None:
-            k_hat = comp.keys.repeat_interleave(group, dim=0)
-            v_hat = comp.values.repeat_interleave(group, dim=0)
-            counts = comp.counts.repeat_interleave(group)
+            k_hat = comp.keys.to(device).repeat_interleave(group, dim=0)
+            v_hat = comp.values.to(device).repeat_interleave(group, dim=0)
+            counts = comp.counts.to(device).repeat_interleave(group)
             comp_out = v_hat.unsqueeze(0).expand(n, -1, -1).to(out.dtype)
             out, _ = merge_partials(out, lse, comp_out, compensation_lse(q, k_hat, counts, scale))
         return out
@@ -191,10 +251,10 @@ class KVCompWorker:
             live = state.live_positions(layer, h, end)
             positions[h, end - lo - live.numel() :] = live
         window = state.windows[layer]
-        queries = None if window.queries is None else window.queries.transpose(0, 1)
-        return LayerKV(
-            keys=keys.transpose(0, 1),
-            values=values.transpose(0, 1),
+        queries = None if window.queries is None else window.queries.transpose(0, 1).cpu()
+        return LayerKV(  # policies score on the host (a no-op copy on CPU)
+            keys=keys.transpose(0, 1).cpu(),
+            values=values.transpose(0, 1).cpu(),
             layer=layer,
             num_layers=state.num_layers,
             lengths=lengths,

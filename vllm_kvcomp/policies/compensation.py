@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_kvcomp.policies.base import Compensation
+
 
 def _acc(x: torch.Tensor) -> torch.Tensor:
     """Accumulation copy: float64 stays float64, everything else computes in float32."""
@@ -76,3 +78,19 @@ def compensated_attention(
     comp_out = _acc(v_hat).unsqueeze(0).expand(q.shape[0], -1, -1)
     merged, _ = merge_partials(out, lse, comp_out.to(out.dtype), comp_lse)
     return merged
+
+
+def stack_compensation(
+    entries: list[Compensation | None], num_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Per-row compensation tokens as batch tensors: k_hat, v_hat [R, H_kv, D] and counts
+    [R, H_kv] (float32; rows without one get count 0 = off), or None when no row has one."""
+    if all(c is None for c in entries):
+        return None
+    k_hat = torch.zeros(len(entries), num_kv_heads, head_dim, dtype=torch.float32)
+    v_hat = torch.zeros_like(k_hat)
+    counts = torch.zeros(len(entries), num_kv_heads, dtype=torch.float32)
+    for r, c in enumerate(entries):
+        if c is not None:
+            k_hat[r], v_hat[r], counts[r] = c.keys.float(), c.values.float(), c.counts.float()
+    return k_hat, v_hat, counts

@@ -1,0 +1,84 @@
+"""What every kvcomp attention backend shares: the per-step hook around the parent kernel.
+
+Rows of requests that evicted tokens are attended exactly by the worker (over each (layer, head)'s
+kept suffix, plus the compensation token). So that the parent kernel does not also attend over
+their stale full-length context, those rows are trimmed for it to the block of their first new
+token: block table shifted, ``seq_lens`` cut. The trimmed metadata is a copy, built once per step
+(vLLM's persistent ``seq_lens`` and block tables are read by the sampler and other layers and are
+never written). Requests without a spec, or that kept everything, are untouched.
+
+A backend mixes :class:`KVCompAttentionMixin` in front of vLLM's impl class and says in
+:meth:`~KVCompAttentionMixin.with_lengths` how its metadata takes new lengths.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_kvcomp.engine.plugin import active_worker
+
+
+def trim_rows(
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    rows: list[int],
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """New (seq_lens [B], block_table [B, W]) where each row in ``rows`` starts at the block of
+    its first new token: its table shifted left by ``skip`` columns, its length cut by
+    ``skip * block_size``. Inputs are not modified; works on any device without host reads."""
+    seq_lens, table = seq_lens.clone(), block_table.clone()
+    idx = torch.tensor(rows, device=seq_lens.device, dtype=torch.long)
+    query_lens = query_start_loc[idx + 1] - query_start_loc[idx]
+    skip = ((seq_lens[idx] - query_lens) // block_size).long()  # [R]
+    width = table.shape[1]
+    cols = torch.arange(width, device=table.device).unsqueeze(0) + skip.unsqueeze(1)  # [R, W]
+    shifted = block_table[idx].gather(1, cols.clamp(max=width - 1))
+    table[idx] = torch.where(cols < width, shifted, torch.zeros_like(shifted))
+    seq_lens[idx] = seq_lens[idx] - (skip * block_size).to(seq_lens.dtype)
+    return seq_lens, table
+
+
+class KVCompAttentionMixin:
+    """Put in front of a vLLM ``AttentionImpl`` (``class X(KVCompAttentionMixin, ParentImpl)``)."""
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None) -> torch.Tensor:
+        worker = active_worker()
+        if worker is None or attn_metadata is None or not worker.step:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                   output_block_scale)
+        kernel_metadata = self._kernel_metadata(worker, layer, query.dtype, attn_metadata)
+        out = super().forward(layer, query, key, value, kv_cache, kernel_metadata, output, output_scale,
+                              output_block_scale)
+        n = attn_metadata.num_actual_tokens
+        worker.after_attention(
+            layer.layer_name,
+            query[:n],
+            output[:n],
+            attn_metadata.query_start_loc,
+            attn_metadata.seq_lens,
+            attn_metadata.block_table,
+            attn_metadata.slot_mapping,
+            self.scale,
+        )
+        return out
+
+    def _kernel_metadata(self, worker, layer, dtype: torch.dtype, meta):
+        """``meta`` with recomputed rows trimmed (built once per step and metadata object)."""
+        cached = worker.step_cache.get(id(meta))
+        if cached is not None:
+            return cached
+        rows = worker.rows_to_recompute(meta.query_start_loc, meta.slot_mapping)
+        trimmed = meta
+        if rows:
+            seq_lens, table = trim_rows(meta.seq_lens, meta.block_table, meta.query_start_loc, rows,
+                                        worker.block_size)
+            trimmed = self.with_lengths(layer, dtype, meta, seq_lens, table)
+        worker.step_cache[id(meta)] = trimmed
+        return trimmed
+
+    def with_lengths(self, layer, dtype: torch.dtype, meta, seq_lens: torch.Tensor, block_table: torch.Tensor):
+        """A copy of ``meta`` whose kernel attends with these ``seq_lens`` and ``block_table``."""
+        raise NotImplementedError
