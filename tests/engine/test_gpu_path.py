@@ -78,6 +78,12 @@ def test_cpu_layout_reads_what_vllm_cpu_kernel_wrote():
     got_k, got_v = paged.read(table, slots)
     torch.testing.assert_close(got_k, keys, rtol=0, atol=0)
     torch.testing.assert_close(got_v, values, rtol=0, atol=0)
+    some = torch.tensor([3, 17, 33, 34])  # not a range: per-slot gather
+    got_k, got_v = paged.read(table, some)
+    torch.testing.assert_close(got_k, keys[some], rtol=0, atol=0)
+    torch.testing.assert_close(got_v, values[some], rtol=0, atol=0)
+    got_k, _ = paged.read(table, slots[7:35])  # a range starting mid-block
+    torch.testing.assert_close(got_k, keys[7:35], rtol=0, atol=0)
     k1, v1 = paged.read_head(table, 1, slots[5:9])
     torch.testing.assert_close(k1, keys[5:9, 1], rtol=0, atol=0)
     torch.testing.assert_close(v1, values[5:9, 1], rtol=0, atol=0)

@@ -39,6 +39,13 @@ class CpuPagedKV:
 
     def read(self, block_table: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """All heads at logical ``slots`` [S] -> keys, values [S, H_kv, D]."""
+        if slots.numel() > 1 and int(slots[-1]) - int(slots[0]) + 1 == slots.numel():  # a range: whole blocks
+            lo, bs = int(slots[0]), self.block_size
+            blocks = block_table[lo // bs : int(slots[-1]) // bs + 1].long()
+            keys = self.keys_t[blocks].permute(0, 3, 1, 2).flatten(0, 1)  # [C*bs, H, D]
+            values = self.values[blocks].transpose(1, 2).flatten(0, 1)
+            cut = slice(lo % bs, lo % bs + slots.numel())
+            return keys[cut], values[cut]
         blocks, offs = self._locate(block_table, slots)
         keys = self.keys_t[blocks, :, :, offs]  # advanced indices first: [S, H, D]
         values = self.values[blocks, :, offs, :]
@@ -77,27 +84,34 @@ class CpuPagedKV:
         ``[starts[r, h], seq_lens[r])`` plus the row's compensation token (eq. 5), all rows in one
         batched fp32 computation -> out [R, H_q, D]."""
         rows, hq, d = q.shape
-        hk = starts.shape[1]
+        hk, bs = starts.shape[1], self.block_size
         group = hq // hk
         seq = seq_lens.long()
-        lo = starts.min(dim=1).values.long()  # [R]
-        width = max(int((seq - lo).max()), 1)
-        slots = lo.unsqueeze(1) + torch.arange(width)  # [R, S]
-        live = (slots.unsqueeze(1) >= starts.unsqueeze(2)) & (slots < seq.unsqueeze(1)).unsqueeze(1)  # [R, H, S]
-        slots = torch.minimum(slots, (seq - 1).unsqueeze(1))
-        blocks = block_tables.long().gather(1, slots // self.block_size)
-        offs = slots % self.block_size
-        keys = self.keys_t[blocks, :, :, offs].float()  # [R, S, H, D]
-        values = self.values[blocks, :, offs, :].float()
-        qg = q.float().view(rows, hk, group, d)
-        logits = torch.einsum("rkgd,rskd->rkgs", qg, keys) * scale
-        logits.masked_fill_(~live.unsqueeze(2), float("-inf"))
+        first = starts.min(dim=1).values.long() // bs  # [R] first table column with a live slot
+        last = (seq - 1) // bs
+        width = int((last - first).max()) + 1
+        cols = first.unsqueeze(1) + torch.arange(width)  # [R, C]
+        blocks = block_tables.long().gather(1, torch.minimum(cols, last.unsqueeze(1)))
+        slots = cols.view(rows, width, 1, 1, 1) * bs + torch.arange(bs)  # [R, C, 1, 1, bs]
+        live = (slots >= starts.view(rows, 1, hk, 1, 1)) & (slots < seq.view(rows, 1, 1, 1, 1))  # [R, C, H, 1, bs]
+        qg = q.float().view(rows, 1, hk, group, d)
+        # whole blocks, multiplied in the cache's own per-block layout (K^T [D, bs], V [bs, D]): no re-layout
+        logits = torch.matmul(qg, self.keys_t[blocks].float()) * scale  # [R, C, H, G, bs]
+        logits = logits.masked_fill(~live, float("-inf")).permute(0, 2, 3, 1, 4).reshape(rows, hk, group, -1)
         comp = stack_compensation(compensation, hk, d)
-        if comp is None:
-            probs = torch.softmax(logits, dim=-1)
-            return torch.einsum("rkgs,rskd->rkgd", probs, values).reshape(rows, hq, d)
-        k_hat, v_hat, counts = comp
-        extra = torch.einsum("rkgd,rkd->rkg", qg, k_hat) * scale + counts.log().unsqueeze(2)  # log 0 = -inf: off
-        probs = torch.softmax(torch.cat([logits, extra.unsqueeze(3)], dim=3), dim=-1)
-        out = torch.einsum("rkgs,rskd->rkgd", probs[..., :-1], values) + probs[..., -1:] * v_hat.unsqueeze(2)
+        if comp is not None:
+            k_hat, v_hat, counts = comp
+            extra = torch.einsum("rkgd,rkd->rkg", qg.squeeze(1), k_hat) * scale + counts.log().unsqueeze(2)  # log 0: off
+            logits = torch.cat([logits, extra.unsqueeze(3)], dim=3)
+        probs = torch.softmax(logits, dim=-1)
+        span = probs[..., : width * bs].reshape(rows, hk, group, width, bs).permute(0, 3, 1, 2, 4)  # [R, C, H, G, bs]
+        values = self.values[blocks].float()  # [R, C, H, bs, D]
+        # slots past a row's end (its last block's tail, padding columns) were never written for it:
+        # zero them in the copy so that a zero weight cannot meet a NaN; only trailing columns have any
+        tail = int((last - first).min())
+        past_end = (slots[:, tail:] >= seq.view(rows, 1, 1, 1, 1)).transpose(-1, -2)  # [R, C', 1, bs, 1]
+        values[:, tail:].masked_fill_(past_end, 0.0)
+        out = torch.matmul(span, values).sum(dim=1)  # [R, H, G, D]
+        if comp is not None:
+            out = out + probs[..., -1:] * v_hat.unsqueeze(2)
         return out.reshape(rows, hq, d)

@@ -90,39 +90,51 @@ class LagKV(Policy):
         cursors: list[int | None] = memory.get("cursor") or [None] * kv.num_kv_heads
         positions = kv.slot_positions()
         lengths = kv.valid_lengths()
-        indices, compressed = [], []
+        groups: dict[tuple[int, int], list[int]] = {}  # (first live slot, first tail slot) -> heads
         for h in range(kv.num_kv_heads):
-            idx, cursors[h] = self._head(kv, h, int(lengths[h]), positions[h], cursors[h])
-            indices.append(idx)
-            compressed.append(len(idx) - int((positions[h, idx] >= (cursors[h] or 0)).sum()))
+            start, first, cursors[h] = self._bounds(kv.num_slots, int(lengths[h]), positions[h], cursors[h])
+            groups.setdefault((start, first), []).append(h)
+        indices: list[torch.Tensor] = [torch.empty(0, dtype=torch.long)] * kv.num_kv_heads
+        for (start, first), heads in groups.items():
+            for h, idx, cursor in self._heads(kv, heads, start, first, positions):
+                indices[h] = idx
+                cursors[h] = cursor if cursor is not None else cursors[h]
+        compressed = [len(idx) - int((positions[h, idx] >= (cursors[h] or 0)).sum()) for h, idx in enumerate(indices)]
         memory["cursor"] = cursors
         memory["compressed"] = min(compressed, default=0)
         if state.budget is None:
             state.budget = max((len(i) for i in indices), default=0)
         return Selection(indices)
 
-    def _head(
-        self, kv: LayerKV, h: int, length: int, positions: torch.Tensor, cursor: int | None
-    ) -> tuple[torch.Tensor, int | None]:
-        """Kept slots of head ``h`` and its new cursor (first logical position of the tail)."""
-        n = kv.num_slots
+    def _bounds(
+        self, n: int, length: int, positions: torch.Tensor, cursor: int | None
+    ) -> tuple[int, int, int | None]:
+        """(first live slot, first slot of the uncompressed tail, cursor) of one head [S] positions."""
         start = n - length
         if length == 0:
-            return torch.arange(n, n), cursor
+            return n, n, cursor
         if cursor is None:  # first compression: the first `sink` live tokens (future ones if short)
             first = start + min(self.sink, length)
             cursor = int(positions[first]) if first < n else int(positions[-1]) + 1 + self.sink - length
-        first = start + int((positions[start:] < cursor).sum())
+        return start, start + int((positions[start:] < cursor).sum()), cursor
+
+    def _heads(
+        self, kv: LayerKV, heads: list[int], start: int, first: int, positions: torch.Tensor
+    ) -> list[tuple[int, torch.Tensor, int | None]]:
+        """(head, kept slots, new cursor or None = unchanged) for heads sharing ``start``/``first``,
+        scored together: keys/values [G, parts, L, D]."""
+        n = kv.num_slots
         parts = (n - first) // self.lag
         if parts < 2:
-            return torch.arange(start, n), cursor
+            return [(h, torch.arange(start, n), None) for h in heads]
         tail = first + (parts - 1) * self.lag
-        shape = (parts, self.lag, kv.keys.shape[-1])
-        keys = kv.keys[h, first : first + parts * self.lag].reshape(shape)
-        values = kv.values[h, first : first + parts * self.lag].reshape(shape[0], shape[1], -1)
-        scores = lagkv_scores(keys[:-1], values[:-1], keys[1:], values[1:]).cpu()  # [parts-1, L]
+        keys = kv.keys[heads, first : first + parts * self.lag].unflatten(1, (parts, self.lag))
+        values = kv.values[heads, first : first + parts * self.lag].unflatten(1, (parts, self.lag))
+        scores = lagkv_scores(keys[:, :-1], values[:, :-1], keys[:, 1:], values[:, 1:]).cpu()  # [G, parts-1, L]
         top = scores.topk(lag_keep(self.lag, self.ratio or 1.0), dim=-1).indices
         offsets = first + self.lag * torch.arange(parts - 1).unsqueeze(1)
-        chosen = torch.sort((top + offsets).flatten()).values
-        kept = torch.cat([torch.arange(start, first), chosen, torch.arange(tail, n)])
-        return kept, int(positions[tail])
+        chosen = torch.sort((top + offsets).flatten(1), dim=-1).values  # [G, kept]
+        head_slots, tail_slots = torch.arange(start, first), torch.arange(tail, n)
+        return [
+            (h, torch.cat([head_slots, chosen[g], tail_slots]), int(positions[h, tail])) for g, h in enumerate(heads)
+        ]
