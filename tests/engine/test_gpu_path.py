@@ -21,6 +21,7 @@ from vllm_kvcomp.engine.connector import KVCompConnector, paged_layout
 from vllm_kvcomp.engine.cpu_layout import CpuPagedKV
 from vllm_kvcomp.engine.flash_layout import FlashPagedKV
 from vllm_kvcomp.engine.metadata import ScheduledRequest, StepMetadata
+from vllm_kvcomp.engine.paged import PagedKV
 from vllm_kvcomp.engine.plugin import backend_overrides
 from vllm_kvcomp.engine.worker import KVCompWorker
 from vllm_kvcomp.policies.base import Compensation
@@ -147,13 +148,13 @@ def as_cpu_layout(storage: torch.Tensor) -> torch.Tensor:
 
 
 class TorchOnly(FlashPagedKV):
-    """The GPU layout without ``decode``: the worker's per-row torch fallback."""
+    """The GPU layout without batched decode: the worker's per-row torch fallback."""
 
-    decode = None
+    decode = PagedKV.decode
 
 
 class CpuTorchOnly(CpuPagedKV):
-    decode = None
+    decode = PagedKV.decode
 
 
 LAYOUTS = {  # name -> (PagedKV class, storage converter)

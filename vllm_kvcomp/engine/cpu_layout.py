@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import torch
 
+from vllm_kvcomp.engine.paged import PagedKV, Tensors
 from vllm_kvcomp.policies.base import Compensation
 from vllm_kvcomp.policies.compensation import stack_compensation
 
 SUPPORTED_ISAS = ("vec",)
 
 
-class CpuPagedKV:
+class CpuPagedKV(PagedKV):
     """Layout-aware view of one layer's CPU KV cache."""
 
     def __init__(self, kv_cache: torch.Tensor, isa: str = "vec"):
@@ -34,11 +35,7 @@ class CpuPagedKV:
         self.keys_t = flat[:, :, : bs * d].view(nb, h, d, bs)  # K^T per (block, head)
         self.values = flat[:, :, bs * d :].view(nb, h, bs, d)
 
-    def _locate(self, block_table: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return block_table[slots // self.block_size].long(), slots % self.block_size
-
-    def read(self, block_table: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """All heads at logical ``slots`` [S] -> keys, values [S, H_kv, D]."""
+    def read(self, block_table: torch.Tensor, slots: torch.Tensor) -> Tensors:
         if slots.numel() > 1 and int(slots[-1]) - int(slots[0]) + 1 == slots.numel():  # a range: whole blocks
             lo, bs = int(slots[0]), self.block_size
             blocks = block_table[lo // bs : int(slots[-1]) // bs + 1].long()
@@ -51,38 +48,19 @@ class CpuPagedKV:
         values = self.values[blocks, :, offs, :]
         return keys, values
 
-    def read_head(
-        self, block_table: torch.Tensor, head: int, slots: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One head at logical ``slots`` [S] -> keys, values [S, D]."""
+    def read_head(self, block_table: torch.Tensor, head: int, slots: torch.Tensor) -> Tensors:
         blocks, offs = self._locate(block_table, slots)
         return self.keys_t[blocks, head, :, offs], self.values[blocks, head, offs, :]
 
-    def write_head(
-        self,
-        block_table: torch.Tensor,
-        head: int,
-        slots: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-    ) -> None:
-        """Write keys/values [S, D] of one head to logical ``slots`` [S]."""
+    def write_head(self, block_table: torch.Tensor, head: int, slots: torch.Tensor, keys: torch.Tensor,
+                   values: torch.Tensor) -> None:
         blocks, offs = self._locate(block_table, slots)
         self.keys_t[blocks, head, :, offs] = keys.to(self.keys_t.dtype)
         self.values[blocks, head, offs, :] = values.to(self.values.dtype)
 
-    def decode(
-        self,
-        q: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        starts: torch.Tensor,
-        compensation: list[Compensation | None],
-        scale: float,
-    ) -> torch.Tensor:
-        """Attention of one query per row, q [R, H_q, D], over each head's live suffix
-        ``[starts[r, h], seq_lens[r])`` plus the row's compensation token (eq. 5), all rows in one
-        batched fp32 computation -> out [R, H_q, D]."""
+    def decode(self, q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, starts: torch.Tensor,
+               compensation: list[Compensation | None], scale: float) -> torch.Tensor:
+        """All rows in one batched fp32 torch computation over whole gathered blocks."""
         rows, hq, d = q.shape
         hk, bs = starts.shape[1], self.block_size
         group = hq // hk

@@ -15,13 +15,14 @@ from __future__ import annotations
 import torch
 
 from vllm_kvcomp import ops
+from vllm_kvcomp.engine.paged import PagedKV, Tensors
 from vllm_kvcomp.policies.base import Compensation
 from vllm_kvcomp.policies.compensation import stack_compensation
 
 FLOAT_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-class FlashPagedKV:
+class FlashPagedKV(PagedKV):
     """Layout-aware view of one layer's KV cache in vLLM's standard (FlashAttention) layout."""
 
     def __init__(self, kv_cache: torch.Tensor):
@@ -35,48 +36,25 @@ class FlashPagedKV:
         self.cells = kv_cache.transpose(1, 2)  # [nb, bs, H, 2D]
         self.device = kv_cache.device
 
-    def _locate(self, block_table: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        slots = slots.to(self.device)
-        return block_table.to(self.device)[slots // self.block_size].long(), slots % self.block_size
-
-    def read(self, block_table: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """All heads at logical ``slots`` [S] -> keys, values [S, H_kv, D] (on the cache's device)."""
+    def read(self, block_table: torch.Tensor, slots: torch.Tensor) -> Tensors:
         blocks, offs = self._locate(block_table, slots)
         cells = self.cells[blocks, offs]  # [S, H, 2D]
         return cells[..., : self.head_dim], cells[..., self.head_dim :]
 
-    def read_head(
-        self, block_table: torch.Tensor, head: int, slots: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One head at logical ``slots`` [S] -> keys, values [S, D]."""
+    def read_head(self, block_table: torch.Tensor, head: int, slots: torch.Tensor) -> Tensors:
         blocks, offs = self._locate(block_table, slots)
         cells = self.cells[blocks, offs, head]  # [S, 2D]
         return cells[:, : self.head_dim], cells[:, self.head_dim :]
 
-    def write_head(
-        self,
-        block_table: torch.Tensor,
-        head: int,
-        slots: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-    ) -> None:
-        """Write keys/values [S, D] of one head to logical ``slots`` [S]."""
+    def write_head(self, block_table: torch.Tensor, head: int, slots: torch.Tensor, keys: torch.Tensor,
+                   values: torch.Tensor) -> None:
         blocks, offs = self._locate(block_table, slots)
         cells = torch.cat([keys, values], dim=-1).to(device=self.device, dtype=self.cells.dtype)
         self.cells[blocks, offs, head] = cells
 
-    def decode(
-        self,
-        q: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        starts: torch.Tensor,
-        compensation: list[Compensation | None],
-        scale: float,
-    ) -> torch.Tensor:
-        """Attention of one query per row, q [R, H_q, D], over each head's live suffix
-        ``[starts[r, h], seq_lens[r])`` plus the row's compensation token -> out [R, H_q, D]."""
+    def decode(self, q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, starts: torch.Tensor,
+               compensation: list[Compensation | None], scale: float) -> torch.Tensor:
+        """All rows in one ``ops.decode_attention`` call (CUDA extension or Triton on a GPU)."""
         comp = stack_compensation(compensation, starts.shape[1], self.head_dim)
         if comp is not None:
             comp = tuple(t.to(self.device) for t in comp)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 
@@ -24,6 +23,7 @@ from vllm_kvcomp.engine.metadata import (
     StepMetadata,
     WorkerReport,
 )
+from vllm_kvcomp.engine.paged import PagedKV
 from vllm_kvcomp.engine.state import CompressedRequest, QueryWindow
 from vllm_kvcomp.policies.base import LayerKV, RequestState, Selection
 from vllm_kvcomp.policies.compensation import attention_with_lse, compensation_lse, merge_partials
@@ -32,26 +32,6 @@ from vllm_kvcomp.spec import CompressionSpec
 logger = logging.getLogger(__name__)
 
 PolicyBuilder = Callable[[CompressionSpec], object]
-
-
-class PagedKV(Protocol):
-    """One layer's paged KV cache in some backend's layout (``cpu_layout``, ``flash_layout``).
-
-    Layouts that also define ``decode(q, block_tables, seq_lens, starts, compensation, scale)``
-    attend over per-head suffixes with a kernel; the others are recomputed in torch from ``read``.
-    """
-
-    block_size: int
-
-    def read(self, block_table: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def read_head(
-        self, block_table: torch.Tensor, head: int, slots: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def write_head(
-        self, block_table: torch.Tensor, head: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
-    ) -> None: ...
 
 
 class KVCompWorker:
@@ -175,17 +155,16 @@ class KVCompWorker:
     ) -> None:
         """Overwrite ``output`` rows of evicted requests with exact attention over kept tokens: one
         kernel call for all one-token rows where the layout has ``decode``, else torch per row."""
-        paged = self.paged[layer]
-        decode = getattr(paged, "decode", None)
-        if decode is not None and all(hi - lo == 1 for _, lo, hi, _ in rows):
+        if all(hi - lo == 1 for _, lo, hi, _ in rows):
             device = query.device
             token = torch.tensor([lo for _, lo, _, _ in rows], device=device)
             row = torch.tensor([r for r, _, _, _ in rows], device=device)
             starts = torch.stack([state.starts[layer] for *_, state in rows])
             comp = [state.compensation[layer] for *_, state in rows]
-            out = decode(query[token], block_table[row], seq_lens[row], starts, comp, scale)
-            output[token] = out.to(output.dtype)
-            return
+            out = self.paged[layer].decode(query[token], block_table[row], seq_lens[row], starts, comp, scale)
+            if out is not None:
+                output[token] = out.to(output.dtype)
+                return
         for r, lo, hi, state in rows:
             out = self._attend(state, layer, query[lo:hi], block_table[r], int(seq_lens[r]), scale)
             output[lo:hi] = out.to(output.dtype)

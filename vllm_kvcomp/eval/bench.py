@@ -106,6 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--ratios", default="0.5,0.25")
+    parser.add_argument("--overhead-requests", type=int, default=None,
+                        help="requests in the overhead run (b) (default: --num-requests)")
     parser.add_argument("--skip-overhead", action="store_true", help="only the memory-bound run (a)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
 
@@ -120,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(_run_engine(args, job["pool"], [tuple(c) for c in job["configs"]])))
         return 0
     _forwarded[:] = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                     if k not in ("child", "skip_overhead") and v is not None]
+                     if k not in ("child", "skip_overhead", "overhead_requests") and v is not None]
     policies = [p for p in args.policies.split(",") if p]
     ratios = [float(r) for r in args.ratios.split(",")]
     configs = [("full", 1.0)] + [(p, r) for r in ratios for p in policies]
@@ -133,8 +135,9 @@ def run(args: argparse.Namespace) -> int:
     print("throughput / ceiling: " + ", ".join(
         f"{r['policy']}@{r['ratio']}={r['tokens_per_s'] / ceiling['tokens_per_s']:.2f}" for r in bounded[1:]))
     if not args.skip_overhead:
-        large = per_request * args.num_requests + 8
-        overhead = _child(large, configs, args.num_requests)
+        requests = args.overhead_requests or args.num_requests
+        large = per_request * requests + 8
+        overhead = _child(large, configs, requests)
         print(_table(overhead[1:], overhead[0], f"(b) overhead: pool {large} blocks (everything fits)"))
     return 0
 
