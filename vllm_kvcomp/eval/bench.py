@@ -6,10 +6,11 @@
 (b) overhead: a pool large enough for everything; throughput compressed/full and compression
     time as a fraction of prefill time.
 
-Each engine runs in its own subprocess (vLLM engines do not tear down cleanly in one process).
-Example (bundled SmolLM2 on CPU)::
+Each engine runs in its own subprocess (vLLM engines do not tear down cleanly in one process)
+and warms up with one request before the first measured config. The defaults are the run in
+docs/engine.md (bundled SmolLM2 on CPU; about 45 minutes on 2 cores)::
 
-    vllm-kvcomp bench --prompt-len 2048 --num-requests 12 --pool-blocks 80
+    vllm-kvcomp bench            # 24 x 2048-token requests, 396-block pool of 32-token blocks
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def _run_engine(args: argparse.Namespace, pool_blocks: int, configs: list[tuple[
     rng = random.Random(0)
     vocab = llm.get_tokenizer().vocab_size
     prompts = [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
+    warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompts[0]}], warm, use_tqdm=False)  # first-call costs out of every config
     results = []
     for policy, ratio in configs:
         extra = None if policy == "full" else {"kvcomp_policy": policy, "kvcomp_ratio": ratio}
@@ -100,15 +103,15 @@ _forwarded: list[str] = []  # this run's own flags, handed to the engine subproc
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF model folder (default: the bundled SmolLM2)")
     parser.add_argument("--prompt-len", type=int, default=2048)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--num-requests", type=int, default=12)
-    parser.add_argument("--pool-blocks", type=int, default=80, help="KV pool for the memory-bound run")
-    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--num-requests", type=int, default=24)
+    parser.add_argument("--pool-blocks", type=int, default=396, help="KV pool for the memory-bound run")
+    parser.add_argument("--block-size", type=int, default=32, help="a multiple of 32 on vLLM CPU")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--ratios", default="0.5,0.25")
-    parser.add_argument("--overhead-requests", type=int, default=None,
-                        help="requests in the overhead run (b) (default: --num-requests)")
+    parser.add_argument("--overhead-requests", type=int, default=6, help="requests in the overhead run (b)")
     parser.add_argument("--skip-overhead", action="store_true", help="only the memory-bound run (a)")
+    parser.add_argument("--skip-memory", action="store_true", help="only the overhead run (b)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
 
 
@@ -122,22 +125,22 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(_run_engine(args, job["pool"], [tuple(c) for c in job["configs"]])))
         return 0
     _forwarded[:] = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                     if k not in ("child", "skip_overhead", "overhead_requests") and v is not None]
+                     if k not in ("child", "skip_overhead", "skip_memory", "overhead_requests") and v is not None]
     policies = [p for p in args.policies.split(",") if p]
     ratios = [float(r) for r in args.ratios.split(",")]
     configs = [("full", 1.0)] + [(p, r) for r in ratios for p in policies]
-    bounded = _child(args.pool_blocks, configs, args.num_requests)
-    best = max(bounded[1:], key=lambda r: r["peak_running"], default=bounded[0])
     per_request = -(-(args.prompt_len + args.output_len) // args.block_size) + 1
-    ceiling = _child(per_request * best["peak_running"] + 8, [("full", 1.0)], best["peak_running"])[0]
-    print(_table(bounded[1:], bounded[0], f"(a) memory-bound: pool {args.pool_blocks} blocks x {args.block_size}, "
-                 f"{args.num_requests} requests of {args.prompt_len}+{args.output_len} tokens", ceiling))
-    print("throughput / ceiling: " + ", ".join(
-        f"{r['policy']}@{r['ratio']}={r['tokens_per_s'] / ceiling['tokens_per_s']:.2f}" for r in bounded[1:]))
+    if not args.skip_memory:
+        bounded = _child(args.pool_blocks, configs, args.num_requests)
+        best = max(bounded[1:], key=lambda r: r["peak_running"], default=bounded[0])
+        ceiling = _child(per_request * best["peak_running"] + 8, [("full", 1.0)], best["peak_running"])[0]
+        print(_table(bounded[1:], bounded[0], f"(a) memory-bound: pool {args.pool_blocks} blocks x {args.block_size}, "
+                     f"{args.num_requests} requests of {args.prompt_len}+{args.output_len} tokens", ceiling))
+        print("throughput / ceiling: " + ", ".join(
+            f"{r['policy']}@{r['ratio']}={r['tokens_per_s'] / ceiling['tokens_per_s']:.2f}" for r in bounded[1:]))
     if not args.skip_overhead:
-        requests = args.overhead_requests or args.num_requests
-        large = per_request * requests + 8
-        overhead = _child(large, configs, requests)
+        large = per_request * args.overhead_requests + 8
+        overhead = _child(large, configs, args.overhead_requests)
         print(_table(overhead[1:], overhead[0], f"(b) overhead: pool {large} blocks (everything fits)"))
     return 0
 
