@@ -144,14 +144,15 @@ def window_logits(kv: LayerKV) -> torch.Tensor:
     """
     if kv.queries is None:
         raise ValueError("this policy needs observation-window queries, none were captured")
-    group = kv.queries.shape[0] // kv.num_kv_heads
+    hq, w, d = kv.queries.shape
+    hk = kv.num_kv_heads
     acc = torch.float64 if kv.keys.dtype == torch.float64 else torch.float32
-    keys = kv.keys.to(acc).repeat_interleave(group, dim=0)  # [H_q, N, D]
-    logits = torch.einsum("hwd,hnd->hwn", kv.queries.to(acc), keys) * kv.softmax_scale
-    key_pos = kv.slot_positions().repeat_interleave(group, dim=0)  # [H_q, N]
-    q_pos = kv.window_query_positions()  # [w]
-    visible = (key_pos.unsqueeze(1) >= 0) & (key_pos.unsqueeze(1) <= q_pos.view(1, -1, 1))
-    return logits.masked_fill(~visible.to(logits.device), float("-inf"))
+    queries = kv.queries.to(acc).reshape(hk, hq // hk, w, d)  # query head i reads KV head i // group
+    logits = torch.einsum("kgwd,knd->kgwn", queries, kv.keys.to(acc)) * kv.softmax_scale
+    key_pos = kv.slot_positions().view(hk, 1, 1, -1)  # [H_kv, 1, 1, N]
+    q_pos = kv.window_query_positions().view(1, 1, -1, 1)  # [1, 1, w, 1]
+    visible = (key_pos >= 0) & (key_pos <= q_pos)
+    return logits.masked_fill(~visible.to(logits.device), float("-inf")).reshape(hq, w, -1)
 
 
 def window_attention(kv: LayerKV) -> torch.Tensor:
