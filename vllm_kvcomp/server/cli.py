@@ -13,6 +13,9 @@ vLLM's own OpenAI server, parsed by vLLM's argument parser and run in this proce
   (``--kv-cache-memory-bytes``; vLLM's ``--gpu-memory-utilization`` is a share of one NUMA
   node's memory that must also hold the weights and the runtime, which rarely fits by default).
 
+- on a GPU: ``--attention-backend FLASH_ATTN`` (kvcomp hooks FLASH_ATTN and TRITON_ATTN; vLLM
+  would pick FlashInfer on Blackwell, which the connector refuses).
+
 A flag given explicitly always wins over these defaults (``--gpu-memory-utilization`` replaces
 the KV cache default).
 """
@@ -34,6 +37,7 @@ MIDDLEWARE = "vllm_kvcomp.server.middleware.KVCompressionMiddleware"
 CPU_MAX_MODEL_LEN = 8192
 CPU_KV_CACHE_BYTES = 4 << 30
 CPU_KV_SHARE_OF_FREE = 0.25
+GPU_ATTENTION_BACKEND = "FLASH_ATTN"  # one of engine.plugin.backend_overrides("cuda")
 # vLLM flags whose default depends on the platform; parsed with None meaning "not given".
 PLATFORM_FLAGS = ("dtype", "enforce_eager", "max_model_len", "gpu_memory_utilization")
 
@@ -71,6 +75,8 @@ def prepare(args: argparse.Namespace, vllm_defaults: dict[str, Any], on_cpu: boo
         defaults.update(cpu_defaults(args.model))
         if args.gpu_memory_utilization is None and args.kv_cache_memory_bytes is None:
             args.kv_cache_memory_bytes = cpu_kv_cache_bytes()
+    elif args.attention_backend is None:
+        args.attention_backend = GPU_ATTENTION_BACKEND
     for name in PLATFORM_FLAGS:
         if getattr(args, name) is None:
             setattr(args, name, defaults[name])
