@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from vllm_kvcomp.engine.metadata import StepMetadata, WorkerReport
+from vllm_kvcomp.engine.plugin import platform_kind
 from vllm_kvcomp.engine.policy_factory import PolicyFactory
 from vllm_kvcomp.engine.scheduler import KVCompScheduler
 from vllm_kvcomp.engine.worker import KVCompWorker
@@ -62,7 +63,7 @@ def paged_layout(
     kv_caches: dict[str, torch.Tensor],
     block_size: int,
 ) -> Callable[[torch.Tensor], Any]:
-    """The worker's :class:`~vllm_kvcomp.engine.worker.PagedKV` class for this engine, after
+    """The worker's :class:`~vllm_kvcomp.engine.paged.PagedKV` class for this engine, after
     checking that every attention layer runs a kvcomp backend on a layout we can move tokens in.
 
     ``layers`` maps layer name -> vLLM ``Attention`` module; raises ``NotImplementedError`` with
@@ -134,9 +135,9 @@ class KVCompConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.model_executor.models.utils import extract_layer_index
         from vllm.platforms import current_platform
 
-        platform = "cpu" if current_platform.is_cpu() else "cuda" if current_platform.is_cuda() else None
         layers = get_layers_from_vllm_config(self._vllm_config, Attention, list(kv_caches))
-        layout = paged_layout(platform, layers, kv_caches, self._vllm_config.cache_config.block_size)
+        layout = paged_layout(platform_kind(current_platform), layers, kv_caches,
+                              self._vllm_config.cache_config.block_size)
         index = {name: extract_layer_index(name) for name in kv_caches}
         self.worker.register(kv_caches, index, layout)
 

@@ -22,9 +22,13 @@ def register_with_vllm() -> None:
 
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, "KVCompConnector")
-    platform = "cpu" if current_platform.is_cpu() else "cuda" if current_platform.is_cuda() else None
-    for name, path in backend_overrides(platform).items():
+    for name, path in backend_overrides(platform_kind(current_platform)).items():
         register_backend(AttentionBackendEnum[name], path)
+
+
+def platform_kind(platform) -> str | None:
+    """``"cpu"``, ``"cuda"`` or None (any other platform) for a vLLM ``current_platform``."""
+    return "cpu" if platform.is_cpu() else "cuda" if platform.is_cuda() else None
 
 
 def backend_overrides(platform: str | None) -> dict[str, str]:
