@@ -165,13 +165,15 @@ LAYOUTS = {  # name -> (PagedKV class, storage converter)
 }
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+DEVICE_LAYOUTS = [("cpu", name) for name in LAYOUTS] + [  # the CPU layout lives on the host
+    pytest.param("cuda", name, marks=pytest.mark.gpu) for name in LAYOUTS if name.startswith("flash")
+]
+
+
+@pytest.mark.parametrize(("device", "layout"), DEVICE_LAYOUTS)
 def test_worker_attends_each_heads_kept_suffix(device, layout):
     """Evicted decode rows, batched (one kernel / torch call per layer) or per row, = eq. 5."""
     layout_cls, convert = LAYOUTS[layout]
-    if device == "cuda" and layout.startswith("cpu"):
-        pytest.skip("the CPU layout lives on the host")
     seq_lens = [37, 50, 9]
     paged = make_paged(seq_lens, HK, D, BS, torch.float32, device=device, layout="HNC")
     storage = paged.cache.transpose(1, 2)
