@@ -1,13 +1,11 @@
-"""Build hooks beside pyproject.toml, which holds all package metadata.
+"""Build hook beside pyproject.toml, which holds all package metadata.
 
-1. Ships the top-level ``triton_kernels/`` folder as ``vllm_kvcomp.triton_kernels`` (the
-   ``package-dir`` mapping in pyproject.toml names its folder, but ``packages.find`` only lists
-   packages found under their own name, so the package is added to the list here).
-2. Adds the optional CUDA extension ``vllm_kvcomp._C`` (``csrc/``) when torch is a CUDA build
-   and nvcc is found. Build isolation hides torch, so build it with
-   ``pip install --no-build-isolation .`` in the serving environment; any other install builds
-   the pure-Python package. ``VLLM_KVCOMP_BUILD_CUDA=0`` skips the extension, ``=1`` makes a
-   missing toolchain an error. ``TORCH_CUDA_ARCH_LIST`` picks the GPU architectures.
+Adds the optional CUDA extension ``vllm_kvcomp._C`` (``csrc/``) when torch is a CUDA build and
+nvcc is found. Build isolation hides torch, so build it with
+``pip install --no-build-isolation .`` in the serving environment; any other install builds the
+pure-Python package (the Triton kernels under ``vllm_kvcomp/kernels/triton_jit`` are plain modules of
+it). ``VLLM_KVCOMP_BUILD_CUDA=0`` skips the extension, ``=1`` makes a missing toolchain an error.
+``TORCH_CUDA_ARCH_LIST`` picks the GPU architectures.
 """
 
 from __future__ import annotations
@@ -15,19 +13,8 @@ from __future__ import annotations
 import os
 
 from setuptools import setup
-from setuptools.dist import Distribution
 
-KERNEL_PACKAGE = "vllm_kvcomp.triton_kernels"
-CUDA_SOURCES = ["csrc/bindings.cpp", "csrc/compaction.cu", "csrc/decode_attention.cu"]
-
-
-class KvcompDistribution(Distribution):
-    """Adds the renamed kernel package after pyproject.toml's ``packages.find`` ran."""
-
-    def parse_config_files(self, *args, **kwargs):
-        super().parse_config_files(*args, **kwargs)
-        if self.packages is not None and KERNEL_PACKAGE not in self.packages:
-            self.packages.append(KERNEL_PACKAGE)
+CUDA_SOURCES = ["csrc/bindings.cpp", "csrc/decode_attention.cu"]
 
 
 def cuda_build_options() -> dict:
@@ -55,4 +42,4 @@ def cuda_build_options() -> dict:
     return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildExtension}}
 
 
-setup(distclass=KvcompDistribution, **cuda_build_options())
+setup(**cuda_build_options())

@@ -1,6 +1,7 @@
-// Thin torch binding of the kvcomp CUDA kernels: argument checks, raw pointers and strides,
-// registration as torch.ops.kvcomp.*. It includes no CUDA header (the stream arrives as an
-// integer, torch.cuda.current_stream().cuda_stream), so it compiles against any torch build.
+// Thin torch binding of the kvcomp CUDA kernel: argument checks, raw pointers and strides,
+// registration as torch.ops.kvcomp.decode_attention. It includes no CUDA header (the stream
+// arrives as an integer, torch.cuda.current_stream().cuda_stream), so it compiles against any
+// torch build.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -36,28 +37,6 @@ kvcomp_dtype dtype_of(const at::Tensor& t) {
     default:
       TORCH_CHECK(false, "decode_attention supports float32, float16 and bfloat16, got ", t.scalar_type());
   }
-}
-
-void compact_heads(const at::Tensor& kv_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
-                   const at::Tensor& kept, const at::Tensor& counts, const at::Tensor& workspace, int64_t stream) {
-  const kvcomp_paged_cache cache = cache_of(kv_cache);
-  check_int32(block_table, "block_table", 2);
-  check_int32(seq_lens, "seq_lens", 1);
-  check_int32(kept, "kept", 3);
-  check_int32(counts, "counts", 2);
-  const int64_t batch = kept.size(0), k_max = kept.size(2);
-  TORCH_CHECK(kept.is_contiguous() && counts.is_contiguous() && kept.size(1) == cache.num_heads &&
-                  counts.size(0) == batch && counts.size(1) == cache.num_heads && seq_lens.size(0) == batch &&
-                  block_table.size(0) == batch,
-              "kept [B, H_kv, K_max], counts [B, H_kv], seq_lens [B] and block_table [B, *] disagree");
-  TORCH_CHECK(workspace.is_cuda() && workspace.is_contiguous() &&
-                  workspace.numel() * workspace.element_size() >= batch * cache.num_heads * k_max * kv_cache.size(3) *
-                                                                        kv_cache.element_size(),
-              "workspace must be a contiguous CUDA tensor of at least B * H_kv * K_max cells");
-  check_code(kvcomp_compact_heads(&cache, block_table.data_ptr<int32_t>(), block_table.stride(0),
-                                  seq_lens.data_ptr<int32_t>(), kept.data_ptr<int32_t>(), counts.data_ptr<int32_t>(),
-                                  static_cast<int32_t>(batch), static_cast<int32_t>(k_max), workspace.data_ptr(),
-                                  reinterpret_cast<void*>(stream)));
 }
 
 const float* optional_f32(const std::optional<at::Tensor>& t, int64_t numel, const char* name) {
@@ -111,17 +90,13 @@ void decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at:
 
 TORCH_LIBRARY(kvcomp, m) {
   m.def(
-      "compact_heads(Tensor(a!) kv_cache, Tensor block_table, Tensor seq_lens, Tensor kept, Tensor counts, "
-      "Tensor(b!) workspace, int stream) -> ()",
-      &compact_heads);
-  m.def(
       "decode_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, Tensor start, "
       "Tensor? k_hat, Tensor? v_hat, Tensor? comp_counts, float scale, int num_splits, Tensor(a!) mid_out, "
       "Tensor(b!) mid_lse, Tensor(c!) out, Tensor(d!) lse, int stream) -> ()",
       &decode_attention);
 }
 
-// `import vllm_kvcomp._C` loads this library (registering the ops above); the module is empty.
+// `import vllm_kvcomp._C` loads this library (registering the op above); the module is empty.
 PyMODINIT_FUNC PyInit__C(void) {
   static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
   return PyModule_Create(&module);

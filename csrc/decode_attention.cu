@@ -255,3 +255,5 @@ extern "C" int kvcomp_decode_attention(const kvcomp_paged_cache* cache, kvcomp_d
       return cudaErrorInvalidValue;
   }
 }
+
+extern "C" const char* kvcomp_error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }

@@ -1,10 +1,10 @@
-// C ABI of vllm-kvcomp's CUDA kernels. Plain C types only, so the torch binding (bindings.cpp)
-// needs no CUDA headers and the .cu files compile standalone with nvcc.
+// C ABI of vllm-kvcomp's CUDA kernel, paged decode attention. Plain C types only, so the torch
+// binding (bindings.cpp) needs no CUDA headers and the .cu file compiles standalone with nvcc.
 //
 // Paged cache of one layer: logical [num_blocks, block_size, H_kv, 2*D] with arbitrary element
 // strides for the first three dims and a contiguous last dim (K in [0, D), V in [D, 2D)).
 // Logical slot i of request b lives at block block_table[b * bt_stride + i / block_size],
-// offset i % block_size. Every launcher returns a cudaError_t value (0 = success).
+// offset i % block_size. The launcher returns a cudaError_t value (0 = success).
 #pragma once
 
 #include <stdint.h>
@@ -23,15 +23,8 @@ typedef struct {
   int32_t block_size;
   int32_t num_heads;
   int32_t head_dim;      // D; a cell holds 2*D elements
-  int32_t elem_bytes;    // element size (compaction copies raw bytes, any dtype)
+  int32_t elem_bytes;    // element size in bytes (vector alignment checks)
 } kvcomp_paged_cache;
-
-// Per-head compaction: head h of request b moves kept[(b*H + h)*k_max + j], j < counts[b*H + h]
-// (sorted ascending) to slot seq_lens[b] - count + j. workspace: batch*H*k_max cells
-// (batch*H*k_max*2*D*elem_bytes bytes). Two kernels: gather moving cells, then scatter them.
-int kvcomp_compact_heads(const kvcomp_paged_cache* cache, const int32_t* block_table, int64_t bt_stride,
-                         const int32_t* seq_lens, const int32_t* kept, const int32_t* counts, int32_t batch,
-                         int32_t k_max, void* workspace, void* stream);
 
 // Split-K decode attention, one query per request. q [B, H_q, D] (strides in elements, last dim
 // contiguous), query head i reads KV head i / (H_q / H_kv). Head h of request b attends slots

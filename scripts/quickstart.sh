@@ -51,8 +51,9 @@ answer, applied, kv = ask(HEADER)
 print(f"request   : X-KV-Compression: {HEADER}  (the pass key is 71432)")
 print(f"answer    : {answer!r}  (uncompressed: {full_answer!r})")
 print(f"applied   : {applied}")
-print(f"prompt    : {kv['prompt_tokens']} tokens; kept {kv['tokens_kept']} per KV head "
-      f"({kv['kept_fraction']:.1%}), evicted {kv['tokens_evicted']} (layer, head, token) entries")
+print(f"prompt    : {kv['prompt_tokens']} tokens; kept {kv['tokens_kept']} per KV head on average "
+      f"(largest head {kv['kept_max_head']}; {kv['kept_fraction']:.1%} of the full cache), "
+      f"evicted {kv['tokens_evicted']} (layer, head, token) entries")
 print(f"freed     : {kv['blocks_freed']} KV blocks returned to the pool early; "
       f"compression took {1000 * kv['compression_seconds']:.1f} ms")
 PY

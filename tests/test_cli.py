@@ -1,18 +1,22 @@
-"""Every ``vllm-kvcomp`` subcommand exists and parses its ``--help``."""
+"""Every ``vllm-kvcomp`` subcommand exists and parses its ``--help``; the bench runner's rules."""
 
 from __future__ import annotations
 
+import argparse
 import importlib
+from pathlib import Path
 
 import pytest
 
-from vllm_kvcomp.cli import SUBCOMMANDS, main
+from vllm_kvcomp import bench
+from vllm_kvcomp.bench import common
+from vllm_kvcomp.cli import RAW_ARGV, SUBCOMMANDS, main
 
 
 @pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
 def test_subcommand_module_has_its_entry_points(name):
     module = importlib.import_module(SUBCOMMANDS[name][0])
-    if name == "serve":
+    if name in RAW_ARGV:
         assert callable(module.main)
     else:
         assert callable(module.add_arguments) and callable(module.run)
@@ -27,9 +31,88 @@ def test_help_exits_cleanly(name, capsys):
 
 
 def test_bench_table_reports_ratios_against_full():
-    from vllm_kvcomp.eval.bench import _table
+    from vllm_kvcomp.bench.engine import _table
 
     full = {"policy": "full", "ratio": 1.0, "peak_running": 2, "tokens_per_s": 10.0, "compress_s": 0.0, "prefill_s": 1.0}
     row = {"policy": "snapkv", "ratio": 0.25, "peak_running": 7, "tokens_per_s": 19.0, "compress_s": 0.1, "prefill_s": 2.0}
     text = _table([row], full, "title")
     assert "3.50" in text and "1.90" in text and "5.0%" in text
+
+
+# ---------------------------------------------------------------------------- bench runner
+@pytest.mark.parametrize("name", sorted(bench.BENCHMARKS))
+def test_every_benchmark_runs_as_a_module_and_a_subcommand(name):
+    module = importlib.import_module(f"vllm_kvcomp.bench.{name}")
+    assert bench.BENCHMARKS[name][0] == module.__name__
+    assert callable(module.add_arguments) and callable(module.run) and callable(module.main)
+    parser = common.build_parser(module, name, f"vllm-kvcomp bench {name}")
+    assert parser.parse_args([]).out == Path("docs/results") / f"bench_{name}.md"
+
+
+@pytest.mark.parametrize("name", sorted(bench.BENCHMARKS))
+def test_benchmark_help_names_the_subcommand(name, capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["bench", name, "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert f"vllm-kvcomp bench {name}" in out and "--out" in out
+
+
+def test_bench_list_prints_the_names(capsys):
+    assert main(["bench", "--list"]) == 0
+    assert capsys.readouterr().out.split() == ["engine", "kernels", "kept"]
+
+
+def test_bench_rejects_an_unknown_name(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "nope"])
+    assert done.value.code == 2
+    assert "unknown benchmark 'nope'" in capsys.readouterr().err
+
+
+def _record_run(monkeypatch, name: str) -> list[argparse.Namespace]:
+    seen: list[argparse.Namespace] = []
+    module = importlib.import_module(f"vllm_kvcomp.bench.{name}")
+    monkeypatch.setattr(module, "run", lambda args: seen.append(args) or 0)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("argv", "command"),
+    [
+        ([], "vllm-kvcomp bench"),
+        (["--skip-overhead", "--num-requests", "3"], "vllm-kvcomp bench --skip-overhead --num-requests 3"),
+        (["engine", "--skip-memory"], "vllm-kvcomp bench engine --skip-memory"),
+    ],
+)
+def test_bench_defaults_to_engine(monkeypatch, argv, command):
+    """No NAME, or a first argument starting with '-', runs engine with every argument."""
+    seen = _record_run(monkeypatch, "engine")
+    assert main(["bench", *argv]) == 0
+    (args,) = seen
+    assert args.command == command
+    assert args.skip_overhead == ("--skip-overhead" in argv)
+    assert args.skip_memory == ("--skip-memory" in argv)
+    assert args.num_requests == (3 if "3" in argv else 24)
+
+
+def test_bench_by_name_and_as_module_record_the_exact_command(monkeypatch, tmp_path):
+    seen = _record_run(monkeypatch, "kept")
+    out = tmp_path / "k.md"
+    assert main(["bench", "kept", "--lengths", "64", "--out", str(out)]) == 0
+    from vllm_kvcomp.bench import kept
+
+    assert kept.main(["--policies", "snapkv"]) == 0
+    first, second = seen
+    assert first.command == f"vllm-kvcomp bench kept --lengths 64 --out {out}"
+    assert first.out == out and first.lengths == "64"
+    assert second.command == "python -m vllm_kvcomp.bench.kept --policies snapkv"
+    assert second.out == Path("docs/results/bench_kept.md") and second.policies == "snapkv"
+
+
+def test_write_report_puts_the_command_line_on_top(tmp_path, capsys):
+    path = common.write_report(tmp_path / "new" / "r.md", "vllm-kvcomp bench kernels --device cpu", "| a |\n")
+    lines = path.read_text().splitlines()
+    assert lines[0] == "# `vllm-kvcomp bench kernels --device cpu`"
+    assert lines[-1] == "| a |"
+    assert f"wrote {path}" in capsys.readouterr().out

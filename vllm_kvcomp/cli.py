@@ -1,7 +1,8 @@
 """``vllm-kvcomp serve | model | calibrate | eval | bench``: one dispatcher, lazy subcommands.
 
 Each subcommand lives with its area and exposes ``add_arguments(parser)`` and ``run(args)``;
-only the chosen one is imported. ``serve`` forwards unknown flags to vLLM (its ``main(argv)``).
+only the chosen one is imported. ``serve`` forwards unknown flags to vLLM and ``bench`` picks a
+benchmark by name, so both take the raw arguments (their ``main(argv)``).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "model": ("vllm_kvcomp.models", "fetch / locate the bundled SmolLM2 model"),
     "calibrate": ("vllm_kvcomp.calibration.cli", "build per-model calibration profiles"),
     "eval": ("vllm_kvcomp.eval.cli", "measure quality of policies through a server"),
-    "bench": ("vllm_kvcomp.eval.bench", "memory and throughput, full vs policies"),
+    "bench": ("vllm_kvcomp.bench", "benchmarks: engine (default), kernels, kept; --list"),
 }
+RAW_ARGV = ("serve", "bench")  # subcommands that parse their own arguments: main(argv)
 
 
 def _top_parser() -> argparse.ArgumentParser:
@@ -34,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name, rest = argv[0], argv[1:]
     module = importlib.import_module(SUBCOMMANDS[name][0])
-    if name == "serve":
+    if name in RAW_ARGV:
         return int(module.main(rest) or 0)
     parser = argparse.ArgumentParser(prog=f"vllm-kvcomp {name}", description=SUBCOMMANDS[name][1])
     module.add_arguments(parser)

@@ -15,7 +15,9 @@ request, greedy decoding. The timing, which the vLLM integration must reproduce 
    queries ``[H_q, w, D]`` (fewer if fewer were processed; None if w = 0) with their
    ``query_positions``, ``layer``, ``num_layers`` and the attention ``scale``. Then
    ``policy.select(layers, state)`` runs once for all layers with the request's single
-   :class:`~vllm_kvcomp.policies.base.RequestState` (``prompt_len`` = P); afterwards the oracle
+   :class:`~vllm_kvcomp.policies.base.RequestState` (``prompt_len`` = P; with a ``block_size``,
+   ``page_quantum = (block_size, M % block_size)`` for M tokens processed, so every head keeps a
+   count on the engine's page grid, rounded up with its next-best tokens); afterwards the oracle
    increments ``state.compressions``. Each head keeps exactly the selected slots, in order. A
    returned ``Compensation`` replaces the layer's compensation entries (k̂, v̂, N_d per head);
    ``None`` leaves earlier ones unchanged.
@@ -257,9 +259,10 @@ def _forward(model: PreTrainedModel, session: _Session, ids: Sequence[int], star
 
 
 def _compress(
-    session: _Session, policy: Policy, state: RequestState, step: int, num_tokens: int
+    session: _Session, policy: Policy, state: RequestState, step: int, num_tokens: int, block_size: int | None
 ) -> dict[str, Any]:
     """Step 2 of the module docstring on every layer; returns the compression record."""
+    state.page_quantum = None if block_size is None else (block_size, num_tokens % block_size)
     views = [session.store(i).as_layer_kv(i, session.num_layers, session.window) for i in range(session.num_layers)]
     selections = policy.select(views, state)
     if len(selections) != session.num_layers:
@@ -279,11 +282,13 @@ def generate(
     *,
     profile: Profile | None = None,
     stop_token_ids: Collection[int] = (),
+    block_size: int | None = None,
 ) -> OracleResult:
     """Greedy generation with ``policy`` applied to the cache exactly as the module docstring says.
 
     ``model`` must come from :func:`load_model` (oracle attention). ``policy`` None or ``full``
     means no compression. ``profile`` (a calibration profile) is bound to the policy first.
+    ``block_size`` rounds every head's kept count up to the engine's page grid (see step 2).
     """
     if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         raise ValueError(f"load the model with oracle.load_model (attn_implementation={ATTN_IMPLEMENTATION!r})")
@@ -305,7 +310,7 @@ def generate(
     result.token_ids.append(token)
     result.logprobs.append(logprob)
     if compresses:
-        result.compressions.append(_compress(session, policy, state, 0, processed))
+        result.compressions.append(_compress(session, policy, state, 0, processed, block_size))
     decode_steps = steps_since = 0
     while len(result.token_ids) < max_new_tokens and token not in stop_token_ids:
         token, logprob = _forward(model, session, [token], processed)
@@ -315,7 +320,7 @@ def generate(
         result.token_ids.append(token)
         result.logprobs.append(logprob)
         if compresses and policy.RECOMPRESSES and policy.due(state, session.max_live(), steps_since):
-            result.compressions.append(_compress(session, policy, state, decode_steps, processed))
+            result.compressions.append(_compress(session, policy, state, decode_steps, processed, block_size))
             steps_since = 0
     return result
 

@@ -11,109 +11,15 @@ e.g. ``policy=lagkv; ratio=0.25; lag=128``. A bare word is the policy (``snapkv;
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-POLICY_NAMES: tuple[str, ...] = (
-    "full",
-    "streamingllm",
-    "snapkv",
-    "h2o",
-    "knorm",
-    "sagekv",
-    "lagkv",
-    "entropy",
-    "razor",
-    "pod",
-)
-NO_COMPRESSION_WORDS = ("none", "full")
+from vllm_kvcomp.params import COMMON_PARAMS, Scalar, SpecError
+from vllm_kvcomp.policies.registry import POLICY_NAMES, get_policy_class
+
 XARGS_PREFIX = "kvcomp_"
 MAX_HEADER_LENGTH = 1024
-
-Scalar = int | float | str | bool
-
-
-class SpecError(ValueError):
-    """Invalid compression input. ``field`` names the offending key, ``allowed`` what would work."""
-
-    def __init__(self, field: str, message: str, allowed: str | None = None):
-        self.field = field
-        self.message = message
-        self.allowed = allowed
-        text = f"{field}: {message}"
-        if allowed:
-            text += f" (allowed: {allowed})"
-        super().__init__(text)
-
-
-@dataclass(frozen=True)
-class Param:
-    """One tunable of a policy: type, default and the closed range of accepted values."""
-
-    name: str
-    kind: type
-    default: Any
-    low: float | None = None
-    high: float | None = None
-    choices: tuple[str, ...] | None = None
-    help: str = ""
-
-    def allowed(self) -> str:
-        if self.choices:
-            return ", ".join(self.choices)
-        kind = "integer" if self.kind is int else "number" if self.kind is float else "string"
-        lo = "-inf" if self.low is None else f"{self.low:g}"
-        hi = "inf" if self.high is None else f"{self.high:g}"
-        if self.kind is float and self.low == 0.0 and self.high == 1.0 and self.name == "ratio":
-            return "a number in (0, 1]"
-        return f"{kind} in [{lo}, {hi}]"
-
-    def coerce(self, value: Any) -> Any:
-        """Convert ``value`` (possibly a string from a header) to this param's type, or raise."""
-        if value is None:
-            return None
-        if self.kind is str:
-            if not isinstance(value, str):
-                raise SpecError(self.name, f"expected a string, got {value!r}", self.allowed())
-            text = value.strip().lower()
-            if self.choices and text not in self.choices:
-                raise SpecError(self.name, f"unknown value {value!r}", self.allowed())
-            return text
-        if isinstance(value, bool):
-            raise SpecError(self.name, f"expected a number, got {value!r}", self.allowed())
-        try:
-            number = float(value) if isinstance(value, str) else value
-            if self.kind is int:
-                if isinstance(number, float) and not number.is_integer():
-                    raise ValueError
-                number = int(number)
-            else:
-                number = float(number)
-        except (TypeError, ValueError, OverflowError):
-            raise SpecError(self.name, f"not a valid {self.kind.__name__}: {value!r}", self.allowed()) from None
-        if isinstance(number, float) and not math.isfinite(number):
-            raise SpecError(self.name, f"must be finite, got {value!r}", self.allowed())
-        if self.low is not None and number < self.low:
-            raise SpecError(self.name, f"{number:g} is below the minimum", self.allowed())
-        if self.high is not None and number > self.high:
-            raise SpecError(self.name, f"{number:g} is above the maximum", self.allowed())
-        return number
-
-
-# Fields every policy may understand; a policy declares which of them it uses.
-COMMON_PARAMS: dict[str, Param] = {
-    p.name: p
-    for p in (
-        Param("ratio", float, None, 0.0, 1.0, help="fraction of tokens kept per head, in (0, 1]"),
-        Param("budget", int, None, 1, 1 << 24, help="absolute kept tokens per head"),
-        Param("sink", int, None, 0, 1 << 16, help="first tokens always kept"),
-        Param("window", int, None, 0, 1 << 20, help="recent tokens always kept / observed"),
-        Param("lag", int, None, 1, 1 << 16, help="LagKV partition size L"),
-        Param("interval", int, None, 1, 1 << 20, help="decode steps between recompressions"),
-    )
-}
 SPEC_FIELDS = ("policy", *COMMON_PARAMS)
 
 
@@ -150,8 +56,6 @@ class CompressionSpec:
 
     @classmethod
     def _from_mapping(cls, data: Mapping[str, Any]) -> CompressionSpec:
-        from vllm_kvcomp.policies.registry import get_policy_class
-
         if not isinstance(data, Mapping):
             raise SpecError("kv_compression", f"expected an object, got {type(data).__name__}")
         items = {str(k).strip().lower(): v for k, v in data.items()}
@@ -181,7 +85,7 @@ class CompressionSpec:
         if values.get("ratio") is not None and values.get("budget") is not None:
             raise SpecError("budget", "give either ratio or budget, not both", "ratio or budget")
         spec = cls(policy=policy, extras=extras, **values)
-        policy_cls.from_spec(spec)  # cross-field checks live with the policy
+        policy_cls.from_settings(spec.settings())  # cross-field checks live with the policy
         return spec
 
     @classmethod
@@ -241,11 +145,13 @@ class CompressionSpec:
     def replace(self, **changes: Any) -> CompressionSpec:
         return replace(self, **changes)
 
+    def settings(self) -> dict[str, Scalar]:
+        """The set fields except ``policy``: the keyword arguments of the policy dataclass."""
+        return {k: v for k, v in self.to_dict().items() if k != "policy"}
+
     def build_policy(self):
         """The policy dataclass this spec describes (defaults filled in)."""
-        from vllm_kvcomp.policies.registry import get_policy_class
-
-        return get_policy_class(self.policy).from_spec(self)
+        return get_policy_class(self.policy).from_settings(self.settings())
 
 
 def parse_header(header: str) -> dict[str, str]:
@@ -275,19 +181,6 @@ def parse_header(header: str) -> dict[str, str]:
             raise SpecError(key, "given twice in the header", "each key once")
         out[key] = value
     return out
-
-
-def kept_count(n_tokens: int, ratio: float | None, budget: int | None) -> int:
-    """Tokens kept out of ``n_tokens``: ``budget`` if given, else ``ceil(ratio * n)``, clamped to [1, n]."""
-    if n_tokens <= 0:
-        return 0
-    if budget is not None:
-        want = budget
-    elif ratio is not None:
-        want = math.ceil(ratio * n_tokens - 1e-9)
-    else:
-        want = n_tokens
-    return max(1, min(n_tokens, int(want)))
 
 
 def _fmt(value: Scalar) -> str:

@@ -43,11 +43,13 @@ def test_compression_frees_blocks_and_finish_returns_them(engine, ratio):
     n = 300
     rid = _add(engine, f"free-{ratio}", prompt_ids(n, 1), params(8, policy="streamingllm", ratio=ratio))
     engine.llm.llm_engine.step()  # whole prompt (< max_num_batched_tokens): prefill + compression
-    kept = math.ceil(ratio * n)
-    freed = (n - kept) // BLOCK_SIZE
+    residue = n % BLOCK_SIZE
+    kept = math.ceil(ratio * n) + (residue - math.ceil(ratio * n)) % BLOCK_SIZE  # rounded to the page grid
+    pages = (kept - residue) // BLOCK_SIZE  # full packed pages per (layer, head): one block's worth
+    freed = n // BLOCK_SIZE - pages
     allocated = math.ceil(n / BLOCK_SIZE)
     assert engine.sched_connector.requests[rid].blocks_freed == freed
-    assert _live_blocks(engine, rid) == allocated - freed
+    assert _live_blocks(engine, rid) == allocated - freed == pages + 1
     assert _live_blocks(engine, rid) <= math.ceil(kept / BLOCK_SIZE) + 1
     assert engine.free_blocks == free0 - allocated + freed
     _drain(engine)

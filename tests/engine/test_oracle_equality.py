@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine.conftest import generate, params, prompt_ids, token_logprobs
-from vllm_kvcomp.spec import POLICY_NAMES, CompressionSpec
+from tests.engine.conftest import BLOCK_SIZE, generate, params, prompt_ids, token_logprobs
+from vllm_kvcomp.policies.registry import POLICY_NAMES
+from vllm_kvcomp.spec import CompressionSpec
 
 PROMPT_LEN = 300
 MAX_TOKENS = 20  # >= 16 decode steps after the prefill token
@@ -38,7 +39,7 @@ def _oracle(engine, oracle_model, prompt, name):
 
     spec = CompressionSpec.from_mapping({"policy": name, **SPECS[name]})
     policy = PolicyFactory(str(engine.model_dir)).build(spec)
-    return oracle_generate(oracle_model, prompt, policy, MAX_TOKENS)
+    return oracle_generate(oracle_model, prompt, policy, MAX_TOKENS, block_size=BLOCK_SIZE)
 
 
 def _assert_same(vllm_out, expected, label):
@@ -94,4 +95,5 @@ def test_chunked_prefill_window_spans_chunks(engine, oracle_model, name):
     from vllm_kvcomp.oracle import generate as oracle_generate
 
     policy = CompressionSpec.from_mapping({"policy": name, **spec}).build_policy()
-    _assert_same(out, oracle_generate(oracle_model, prompt, policy, MAX_TOKENS), f"chunked {name}")
+    _assert_same(out, oracle_generate(oracle_model, prompt, policy, MAX_TOKENS, block_size=BLOCK_SIZE),
+                 f"chunked {name}")

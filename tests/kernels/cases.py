@@ -1,4 +1,4 @@
-"""Shared parametrisation of the kernel tests: a small covering set for CI, the product for --run-slow.
+"""Shared parametrisation of the decode kernel tests: a small covering set for CI, the product for --run-slow.
 
 Every listed value of every axis appears in ``COVER``; ``FULL`` is the cross product of the
 numeric axes (layout, ragged and compensation cycle along it).
@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
+from vllm_kvcomp.kernels.fixtures import Paged, make_paged
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 HEAD_DIMS = (64, 128)
@@ -29,19 +31,19 @@ class Case:
     group: int
     layout: str  # "NHC" (vLLM LBNHC) or "HNC" (LBHNC passed as a transposed view)
     ragged: bool  # per-head starts differ
-    comp: bool  # compensation token (decode) / entropy (window)
+    comp: bool  # compensation token on
 
     def __str__(self) -> str:
         dt = str(self.dtype).removeprefix("torch.")
         flags = ("ragged" if self.ragged else "full") + ("-comp" if self.comp else "")
         return f"{dt}-d{self.head_dim}-bs{self.block_size}-g{self.group}-{self.layout}-{flags}"
 
-    def paged(self, seq_lens: list[int], kv_heads: int, seed: int = 0):
+    def paged(self, seq_lens: list[int], kv_heads: int, seed: int = 0) -> Paged:
         """The paged fixture (random block-table permutation) for this case on DEVICE."""
-        from tests.helpers.kernel_refs import make_paged
-
-        return make_paged(seq_lens, kv_heads, self.head_dim, self.block_size, self.dtype, DEVICE, self.layout,
-                          seed=seed)
+        return make_paged(
+            seq_lens, kv_heads, self.head_dim, self.block_size, self.dtype, DEVICE, self.layout,
+            seed=seed,
+        )
 
 
 COVER = [

@@ -28,7 +28,21 @@ def test_keep_pinned():
     kv = LayerKV(torch.zeros(1, 12, 2), torch.zeros(1, 12, 2))
     pinned = torch.zeros(1, 12, dtype=torch.bool)
     pinned[0, [4, 6]] = True
-    assert keep_pinned(kv, pinned, 2, 7)[0].tolist() == [0, 1, 4, 6, 9, 10, 11]
+    chosen, priority = keep_pinned(kv, pinned, 2, 7)
+    assert chosen[0].tolist() == [0, 1, 4, 6, 9, 10, 11]
+    assert priority.shape == (1, 12) and bool(priority[0, 4] > priority[0, 11] > priority[0, 10])
+
+
+def test_page_rounding_adds_the_next_best_live_slots():
+    state = RequestState(page_quantum=(4, 3))  # kept counts must be ≡ 3 (mod 4)
+    priority = torch.tensor([[9.0, 0, 5, 1, 7, 7, 2, 0], [0, 0, 0, 0, 1, 1, 3, 3]])
+    lengths = torch.tensor([8, 4])  # head 1 lives in slots [4, 8)
+    chosen = [torch.tensor([0, 4]), torch.tensor([6])]
+    padded = state.pad(chosen, priority, lengths)
+    assert padded[0].tolist() == [0, 4, 5]  # 2 -> 3 kept: slot 5 has the best free priority
+    assert padded[1].tolist() == [5, 6, 7]  # 1 -> 3: slot 7, then 5 over 4 (equal priority, later slot)
+    assert [state.page_count(k, 8) for k in (0, 3, 4, 7, 8)] == [3, 3, 7, 7, 8]
+    assert RequestState().pad(chosen, priority, lengths) == chosen
 
 
 def test_budget_above_prompt_is_kept_for_decode():

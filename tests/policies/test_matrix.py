@@ -10,27 +10,14 @@ import torch
 from vllm_kvcomp.policies.base import RequestState, ScorePolicy, SlotMemory
 from vllm_kvcomp.policies.entropy import split_layer_budget
 from vllm_kvcomp.policies.lagkv import lagkv_retained
-from vllm_kvcomp.policies.registry import get_policy_class
-from vllm_kvcomp.spec import POLICY_NAMES
+from vllm_kvcomp.policies.registry import POLICY_NAMES, get_policy_class
 
 EQUAL_BUDGET = ("streamingllm", "snapkv", "h2o", "knorm", "sagekv")
 SHAPES = list(itertools.product((1, 7, 40, 97), (1, 3), (1, 3), (False, True)))
 SHAPE_IDS = [f"n{n}-h{h}-g{g}-{'ragged' if r else 'equal'}" for n, h, g, r in SHAPES]
 
 
-def _score_policy_names() -> list[str]:
-    names = []
-    for name in POLICY_NAMES:
-        try:
-            cls = get_policy_class(name)
-        except (ImportError, AttributeError):
-            continue
-        if issubclass(cls, ScorePolicy):
-            names.append(name)
-    return names
-
-
-SCORE_POLICIES = _score_policy_names()
+SCORE_POLICIES = [name for name in POLICY_NAMES if issubclass(get_policy_class(name), ScorePolicy)]
 
 
 def _protected_slots(length: int, n: int, keep: int, sink: int, window: int) -> tuple[list[int], list[int]]:
@@ -176,3 +163,54 @@ def test_decode_recompression(name, heads, group, ragged, make_policy, fake_requ
         recompressions += 1
         steps_since = 0
     assert recompressions >= 1, f"{name} never recompressed in 40 decode steps"
+
+
+PAGED = [*POLICY_NAMES, "snapkv-adaptive"]
+
+
+def _paged_policy(name: str, make_policy):
+    return make_policy("snapkv", heads="adaptive") if name == "snapkv-adaptive" else make_policy(name)
+
+
+def _check_on_page_grid(layers, selections, state: RequestState) -> None:
+    block_size, residue = state.page_quantum
+    for kv, sel in zip(layers, selections):
+        for h, idx in enumerate(sel.indices):
+            live = int(kv.valid_lengths()[h])
+            assert len(idx) == live or len(idx) % block_size == residue, (
+                f"layer {kv.layer} head {h}: {len(idx)} kept of {live}, not ≡ {residue} (mod {block_size})")
+
+
+@pytest.mark.parametrize(("n", "group"), [(37, 1), (61, 3), (96, 3)])
+@pytest.mark.parametrize("name", PAGED)
+def test_page_rounding_keeps_a_superset_on_the_page_grid(name, n, group, make_policy, fake_request,
+                                                         check_indices):
+    """With the engine's page quantum every head keeps ≡ residue (mod bs) slots (or all), a
+    superset of what it keeps without rounding, through decode recompressions too."""
+    block_size = 8
+    window = _paged_policy(name, make_policy).queries_needed()
+    plain = _paged_policy(name, make_policy).select(fake_request(n, 2, group, seed=n).layers(window),
+                                                   RequestState(prompt_len=n))
+    policy = _paged_policy(name, make_policy)
+    request = fake_request(n, 2, group, seed=n)
+    state = RequestState(prompt_len=n, page_quantum=(block_size, n % block_size))
+    layers = request.layers(window)
+    selections = policy.select(layers, state)
+    _check_on_page_grid(layers, selections, state)
+    for sel, base in zip(selections, plain):
+        for idx, base_idx in zip(sel.indices, base.indices):
+            assert set(base_idx.tolist()) <= set(idx.tolist()), f"{name}: rounding dropped a chosen slot"
+    request.apply(selections)
+    steps_since = 0
+    for _ in range(30):
+        request.decode_step()
+        steps_since += 1
+        if policy.RECOMPRESSES and policy.due(state, request.max_live(), steps_since):
+            state.page_quantum = (block_size, request.next_position % block_size)
+            layers = request.layers(window)
+            selections = policy.select(layers, state)
+            for kv, sel in zip(layers, selections):
+                check_indices(kv, sel)
+            _check_on_page_grid(layers, selections, state)
+            request.apply(selections)
+            steps_since = 0

@@ -11,10 +11,11 @@ from vllm_kvcomp.calibration.profiles import (
     ProfileError,
     bind_profile,
 )
+from vllm_kvcomp.params import SpecError
 from vllm_kvcomp.policies.base import LayerKV, RequestState
 from vllm_kvcomp.policies.compensation import attention_with_lse
 from vllm_kvcomp.policies.pod import POD, pod_gate, proximal_masks, split_attention
-from vllm_kvcomp.spec import CompressionSpec, SpecError
+from vllm_kvcomp.spec import CompressionSpec
 
 # ---------------------------------------------------------------------------- Appendix A.1
 

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from vllm_kvcomp.calibration.profiles import ModelIdentity, RetrievalHeadsProfile, bind_profile
+from vllm_kvcomp.params import SpecError
 from vllm_kvcomp.policies.base import LayerKV, RequestState
 from vllm_kvcomp.policies.compensation import attention_with_lse, compensated_attention
 from vllm_kvcomp.policies.razor import Razor
-from vllm_kvcomp.spec import CompressionSpec, SpecError
+from vllm_kvcomp.spec import CompressionSpec
 
 
 def _kv(n: int = 64, heads: int = 3, dim: int = 8, layer: int = 0, seed: int = 0, dtype=torch.float32, **kw) -> LayerKV:

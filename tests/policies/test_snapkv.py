@@ -56,7 +56,8 @@ def test_planted_token_and_window_are_kept():
 
 
 def test_even_kernel_rejected():
-    from vllm_kvcomp.spec import CompressionSpec, SpecError
+    from vllm_kvcomp.params import SpecError
+    from vllm_kvcomp.spec import CompressionSpec
 
     with pytest.raises(SpecError, match="kernel"):
         CompressionSpec.from_mapping({"policy": "snapkv", "kernel": 6})

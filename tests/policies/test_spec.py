@@ -6,14 +6,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_kvcomp.policies.registry import get_policy_class
-from vllm_kvcomp.spec import (
-    MAX_HEADER_LENGTH,
-    POLICY_NAMES,
-    CompressionSpec,
-    SpecError,
-    parse_header,
+from vllm_kvcomp.calibration.profiles import (
+    LayerGroupsProfile,
+    ModelIdentity,
+    RetrievalHeadsProfile,
+    bind_profile,
 )
+from vllm_kvcomp.params import SpecError
+from vllm_kvcomp.policies.registry import POLICY_NAMES, get_policy_class
+from vllm_kvcomp.spec import MAX_HEADER_LENGTH, CompressionSpec, parse_header
 
 
 def _error(call) -> SpecError:
@@ -156,9 +157,20 @@ def test_field_prefix():
     assert err.field == "kv_compression.ratio"
 
 
-@pytest.mark.parametrize("name", [n for n in POLICY_NAMES if n not in ("razor", "pod")])
+TINY_CONFIG = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "hidden_size": 64}
+#: the calibration profiles razor and pod need, for a 2-layer model with 2 KV heads
+PROFILES = {
+    "razor": RetrievalHeadsProfile(model=ModelIdentity.from_config(TINY_CONFIG), kv_heads=frozenset({(1, 0)})),
+    "pod": LayerGroupsProfile(model=ModelIdentity.from_config(TINY_CONFIG), groups=((0, 1),)),
+}
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
 def test_bare_policy_builds_with_defaults(name):
     policy = CompressionSpec.from_header(name).build_policy()
+    if policy.PROFILE is not None:
+        policy = bind_profile(policy, PROFILES[policy.PROFILE])
     assert isinstance(policy, get_policy_class(name))
     if name != "full":
         assert 0 < policy.ratio <= 1
@@ -216,6 +228,8 @@ def test_with_defaults_revalidates():
 def _value(param, draw):
     if param.choices:
         return draw(st.sampled_from(param.choices))
+    if param.kind is str:  # profile names
+        return draw(st.from_regex(r"[a-z0-9][a-z0-9_-]{0,20}", fullmatch=True))
     if param.kind is int:
         return draw(st.integers(int(param.low), min(int(param.high), 10_000)))
     if param.name == "ratio":
@@ -226,7 +240,7 @@ def _value(param, draw):
 
 @st.composite
 def specs(draw):
-    name = draw(st.sampled_from([n for n in POLICY_NAMES if n not in ("razor", "pod")]))
+    name = draw(st.sampled_from(POLICY_NAMES))
     accepted = get_policy_class(name).accepted_params()
     keys = draw(st.lists(st.sampled_from(sorted(accepted)), unique=True)) if accepted else []
     if "ratio" in keys and "budget" in keys:
@@ -235,7 +249,7 @@ def specs(draw):
     try:
         return CompressionSpec.from_mapping(mapping)
     except SpecError as err:  # only cross-field rules may reject a per-field valid mapping
-        assert err.field in ("window", "kernel")
+        assert err.field in ("window", "kernel", "budget")  # pod: budget >= sink + window
         return CompressionSpec.from_mapping({"policy": name})
 
 

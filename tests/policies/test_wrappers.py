@@ -7,12 +7,13 @@ import math
 import pytest
 import torch
 
+from vllm_kvcomp.params import SpecError
 from vllm_kvcomp.policies.base import LayerKV, RequestState, SlotMemory
 from vllm_kvcomp.policies.h2o import H2O
 from vllm_kvcomp.policies.knorm import KNorm
 from vllm_kvcomp.policies.snapkv import SnapKV
 from vllm_kvcomp.policies.wrappers import AdaptiveHeads, LayerBudgets, adaptive_topk
-from vllm_kvcomp.spec import CompressionSpec, SpecError
+from vllm_kvcomp.spec import CompressionSpec
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -141,14 +141,17 @@ def chat_text(words: int, seed: int) -> str:
 
 
 def equal_budget_numbers(prompt_tokens: int, ratio: float) -> dict[str, int]:
-    """What an equal-per-head policy (streamingllm, snapkv, ...) must report after one compression."""
+    """What an equal-per-head policy (streamingllm, snapkv, ...) must report after one compression:
+    ``ceil(ratio * N)`` kept per head, rounded up to the page grid (``≡ N mod block_size``); the
+    packed pages of all heads fill ``(kept - N % bs) / bs`` blocks below the prompt's last one."""
     import math
 
-    kept = math.ceil(ratio * prompt_tokens)
+    residue = prompt_tokens % BLOCK_SIZE
+    kept = min(prompt_tokens, math.ceil(ratio * prompt_tokens) + (residue - math.ceil(ratio * prompt_tokens)) % BLOCK_SIZE)
     return {
         "tokens_kept": kept,
         "tokens_evicted": (prompt_tokens - kept) * KV_CELLS_PER_TOKEN,
-        "blocks_freed": (prompt_tokens - kept) // BLOCK_SIZE,
+        "blocks_freed": prompt_tokens // BLOCK_SIZE - (kept - residue) // BLOCK_SIZE,
         "compressions": 1,
     }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from tests.server.conftest import BLOCK_SIZE
 from vllm_kvcomp.cli import main
 
 
@@ -23,7 +24,7 @@ def test_eval_harness_against_the_live_server(server, tmp_path):
     assert len(compressed) == 2
     for r in compressed:
         assert all(h.startswith("policy=streamingllm") for h in r["applied"])  # one per turn
-        assert abs(r["kept_fraction"] - 0.5) < 0.01
+        assert abs(r["kept_fraction"] - 0.5) <= BLOCK_SIZE / 512  # the budget, on the page grid
     assert all(r["kept_fraction"] == 1.0 for r in rows if r["policy"] == "full")
     assert (plots / "accuracy_passkey5.png").is_file()
     assert out.with_suffix(".md").read_text().count("passkey5") >= 2

@@ -10,8 +10,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tests.server.conftest import Server, chat_text
-from vllm_kvcomp.policies.registry import get_policy_class
-from vllm_kvcomp.spec import POLICY_NAMES
+from vllm_kvcomp.policies.registry import POLICY_NAMES, get_policy_class
 
 pytestmark = pytest.mark.server
 

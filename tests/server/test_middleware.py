@@ -26,8 +26,9 @@ BASE = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 def engine_result(policy: str, prompt: int, kept: int, blocks: int) -> dict[str, Any]:
     """What the engine's connector puts into ``kv_transfer_params['kvcomp']``."""
     return {"applied": f"policy={policy}", "policy": policy, "prompt_tokens": prompt, "compressions": 1,
-            "tokens_kept": kept, "tokens_evicted": (prompt - kept) * 6, "blocks_freed": blocks,
-            "compression_seconds": 0.01, "preemptions": 0}
+            "tokens_kept": kept, "kept_max_head": kept, "kept_fraction": kept / prompt,
+            "tokens_evicted": (prompt - kept) * 6, "blocks_freed": blocks, "compression_seconds": 0.01,
+            "preemptions": 0}
 
 
 class FakeEngine:

@@ -9,6 +9,8 @@ import jsonschema
 import pytest
 import yaml
 
+from vllm_kvcomp.params import SpecError
+from vllm_kvcomp.policies.registry import POLICY_NAMES
 from vllm_kvcomp.server.operator_config import (
     Bounds,
     ConfigError,
@@ -16,7 +18,7 @@ from vllm_kvcomp.server.operator_config import (
     main,
     requires_profile,
 )
-from vllm_kvcomp.spec import POLICY_NAMES, CompressionSpec, SpecError
+from vllm_kvcomp.spec import CompressionSpec
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 COMPRESSING = [p for p in POLICY_NAMES if p != "full"]

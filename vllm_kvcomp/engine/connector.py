@@ -9,62 +9,35 @@ the connector only uses the hooks for metadata, confirmations and stats.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+
+from vllm_kvcomp import vllm_compat
+from vllm_kvcomp.engine.cache import CpuPagedCache, CudaPagedCache, PagedCache
+from vllm_kvcomp.engine.metadata import StepMetadata, WorkerReport
+from vllm_kvcomp.engine.metrics import KVCompPromMetrics, KVCompStats
+from vllm_kvcomp.engine.policy_factory import PolicyFactory
+from vllm_kvcomp.engine.scheduler import KVCompScheduler
+from vllm_kvcomp.engine.worker import KVCompWorker
+from vllm_kvcomp.vllm_compat import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
-
-from vllm_kvcomp.engine.metadata import StepMetadata, WorkerReport
-from vllm_kvcomp.engine.plugin import platform_kind
-from vllm_kvcomp.engine.policy_factory import PolicyFactory
-from vllm_kvcomp.engine.scheduler import KVCompScheduler
-from vllm_kvcomp.engine.worker import KVCompWorker
-from vllm_kvcomp.server.metrics import KVCompPromMetrics
-
-CONNECTOR_NAME = "KVCompConnector"
 
 
-@dataclasses.dataclass
-class KVCompStats(KVConnectorStats):
-    """Compression events since the last report plus the saved-blocks gauge (scheduler side)."""
-
-    def reset(self) -> None:
-        self.data = {}
-
-    def aggregate(self, other: KVConnectorStats) -> KVCompStats:
-        events = list(self.data.get("events", [])) + list(other.data.get("events", []))
-        saved = other.data.get("saved_blocks", self.data.get("saved_blocks", 0))
-        return KVCompStats(data={"events": events, "saved_blocks": saved})
-
-    def reduce(self) -> dict[str, int | float]:
-        events = self.data.get("events", [])
-        return {
-            "compressions": len(events),
-            "tokens_evicted": sum(e["tokens_evicted"] for e in events),
-            "saved_blocks": self.data.get("saved_blocks", 0),
-        }
-
-    def is_empty(self) -> bool:
-        return not self.data.get("events") and "saved_blocks" not in self.data
-
-
-def paged_layout(
+def paged_cache(
     platform: str | None,
     layers: dict[str, Any],
     kv_caches: dict[str, torch.Tensor],
     block_size: int,
-) -> Callable[[torch.Tensor], Any]:
-    """The worker's :class:`~vllm_kvcomp.engine.paged.PagedKV` class for this engine, after
-    checking that every attention layer runs a kvcomp backend on a layout we can move tokens in.
+) -> Callable[[list[torch.Tensor]], PagedCache]:
+    """The worker's :class:`~vllm_kvcomp.engine.cache.PagedCache` class for this engine, after
+    checking that every attention layer runs a kvcomp backend on a cache we can page.
 
     ``layers`` maps layer name -> vLLM ``Attention`` module; raises ``NotImplementedError`` with
     what to change otherwise.
@@ -97,13 +70,9 @@ def paged_layout(
                 "attention backend uses natively (e.g. 16)"
             )
     if platform == "cpu":
-        from vllm_kvcomp.engine.cpu_layout import CpuPagedKV
-
-        isa = next((getattr(layer, "isa", "vec") for layer in layers.values()), "vec")
-        return functools.partial(CpuPagedKV, isa=isa)
-    from vllm_kvcomp.engine.flash_layout import FlashPagedKV
-
-    return FlashPagedKV
+        isa = next((vllm_compat.cpu_attention_isa(layer) for layer in layers.values()), "vec")
+        return functools.partial(CpuPagedCache, isa=isa)
+    return CudaPagedCache
 
 
 class KVCompConnector(KVConnectorBase_V1, SupportsHMA):
@@ -130,16 +99,17 @@ class KVCompConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.config import get_layers_from_vllm_config
-        from vllm.model_executor.layers.attention import Attention
-        from vllm.model_executor.models.utils import extract_layer_index
-        from vllm.platforms import current_platform
+        layers = vllm_compat.attention_layers(self._vllm_config, list(kv_caches))
+        cache_cls = paged_cache(vllm_compat.platform_kind(), layers, kv_caches,
+                                self._vllm_config.cache_config.block_size)
+        index = {name: vllm_compat.layer_index(name) for name in kv_caches}
+        self.worker.register(kv_caches, index, cache_cls)
 
-        layers = get_layers_from_vllm_config(self._vllm_config, Attention, list(kv_caches))
-        layout = paged_layout(platform_kind(current_platform), layers, kv_caches,
-                              self._vllm_config.cache_config.block_size)
-        index = {name: extract_layer_index(name) for name in kv_caches}
-        self.worker.register(kv_caches, index, layout)
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+        """LBHNC: each (layer, block, head) page is one contiguous run of cells (the CPU backend
+        uses it anyway; FlashAttention and Triton take any layout)."""
+        return "LBHNC"
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -203,8 +173,7 @@ class KVCompConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> KVCompStats | None:
         if self.scheduler is None:
             return None
-        events = [dataclasses.asdict(e) for e in self.scheduler.take_events()]
-        return KVCompStats(data={"events": events, "saved_blocks": sum(self.scheduler.freed.values())})
+        return KVCompStats(data=self.scheduler.take_stats())
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVCompStats | None:

@@ -11,13 +11,11 @@ compression events of the step for stats and metrics.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorMetadata,
-    KVConnectorWorkerMetadata,
-)
+from vllm_kvcomp.vllm_compat import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass
@@ -49,6 +47,8 @@ class CompressionEvent:
     tokens_after: int  # kept tokens of the largest (layer, head)
     tokens_evicted: int  # summed over layers and heads
     tokens_total: int  # live (layer, head, token) cells before, summed
+    num_heads: int  # (layer, KV head) pairs of this worker
+    num_tokens: int  # logical length of the request at this compression
     seconds: float
     decode: bool
 
@@ -59,9 +59,19 @@ class WorkerReport(KVConnectorWorkerMetadata):
     events: list[CompressionEvent] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> WorkerReport:
+        """One report for all tensor-parallel ranks: a block is free only if every rank freed it;
+        a request's events of one step (one per rank, each over its own heads) become one."""
         if not isinstance(other, WorkerReport):
             return self
         merged = dict(self.freeable_blocks)
         for rid, n in other.freeable_blocks.items():
-            merged[rid] = min(n, merged.get(rid, n))  # free only what every worker freed
-        return WorkerReport(merged, self.events + other.events)
+            merged[rid] = min(n, merged.get(rid, n))
+        events = {e.req_id: e for e in self.events}
+        for e in other.events:
+            mine = events.get(e.req_id)
+            events[e.req_id] = e if mine is None else dataclasses.replace(
+                mine, tokens_before=max(mine.tokens_before, e.tokens_before),
+                tokens_after=max(mine.tokens_after, e.tokens_after),
+                tokens_evicted=mine.tokens_evicted + e.tokens_evicted, tokens_total=mine.tokens_total + e.tokens_total,
+                num_heads=mine.num_heads + e.num_heads, seconds=max(mine.seconds, e.seconds))
+        return WorkerReport(merged, list(events.values()))

@@ -11,24 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_kvcomp import vllm_compat
+
 CONNECTOR_NAME = "KVCompConnector"
 CONNECTOR_MODULE = "vllm_kvcomp.engine.connector"
 
 
 def register_with_vllm() -> None:
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    from vllm.platforms import current_platform
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
-    if CONNECTOR_NAME not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, "KVCompConnector")
-    for name, path in backend_overrides(platform_kind(current_platform)).items():
-        register_backend(AttentionBackendEnum[name], path)
-
-
-def platform_kind(platform) -> str | None:
-    """``"cpu"``, ``"cuda"`` or None (any other platform) for a vLLM ``current_platform``."""
-    return "cpu" if platform.is_cpu() else "cuda" if platform.is_cuda() else None
+    vllm_compat.register_connector_once(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)
+    for name, path in backend_overrides(vllm_compat.platform_kind()).items():
+        vllm_compat.register_attention_backend(name, path)
 
 
 def backend_overrides(platform: str | None) -> dict[str, str]:
@@ -58,9 +50,5 @@ def kv_transfer_config(profiles: dict[str, str] | None = None) -> dict[str, Any]
 
 def active_worker():
     """The worker half of the kvcomp connector in this process, or None when not enabled."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-    if not has_kv_transfer_group():
-        return None
-    connector = get_kv_transfer_group()
+    connector = vllm_compat.active_connector()
     return getattr(connector, "worker", None) if type(connector).__name__ == CONNECTOR_NAME else None

@@ -8,33 +8,54 @@ dead — only after the worker confirmed the compaction.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_kvcomp import vllm_compat
 from vllm_kvcomp.engine.metadata import (
     CompressionEvent,
     ScheduledRequest,
     StepMetadata,
     WorkerReport,
 )
-from vllm_kvcomp.spec import CompressionSpec, SpecError
+from vllm_kvcomp.params import SpecError
+from vllm_kvcomp.spec import CompressionSpec
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class RequestStats:
-    """What happened to one request, returned in its ``kv_transfer_params['kvcomp']``."""
+    """What happened to one request, returned in its ``kv_transfer_params['kvcomp']``.
+
+    After the last compression: ``tokens_kept`` is the mean kept tokens per (layer, KV head)
+    (page-rounded, what is held), ``kept_max_head`` the largest head, ``kept_fraction`` the kept
+    (layer, head, token) cells over what the full cache holds at that length (≤ 1). Before any:
+    the prompt, 1.0.
+    """
 
     spec: CompressionSpec
     prompt_len: int
     compressions: int = 0
-    tokens_kept: int = 0  # kept tokens of the largest (layer, head) after the last compression
+    tokens_kept: int | None = None
+    kept_max_head: int | None = None
+    kept_fraction: float = 1.0
     tokens_evicted: int = 0  # summed over layers, heads and compressions
     blocks_freed: int = 0
     seconds: float = 0.0
     preemptions: int = 0
+
+    def record(self, event: CompressionEvent) -> None:
+        kept = event.tokens_total - event.tokens_evicted
+        self.compressions += 1
+        self.tokens_kept = round(kept / max(event.num_heads, 1))
+        self.kept_max_head = event.tokens_after
+        full = event.num_heads * event.num_tokens
+        self.kept_fraction = kept / full if full else 1.0
+        self.tokens_evicted += event.tokens_evicted
+        self.seconds += event.seconds
 
     def as_params(self) -> dict[str, Any]:
         return {
@@ -42,7 +63,9 @@ class RequestStats:
             "policy": self.spec.policy,
             "prompt_tokens": self.prompt_len,
             "compressions": self.compressions,
-            "tokens_kept": self.tokens_kept,
+            "tokens_kept": self.prompt_len if self.tokens_kept is None else self.tokens_kept,
+            "kept_max_head": self.prompt_len if self.kept_max_head is None else self.kept_max_head,
+            "kept_fraction": round(self.kept_fraction, 6),
             "tokens_evicted": self.tokens_evicted,
             "blocks_freed": self.blocks_freed,
             "compression_seconds": round(self.seconds, 6),
@@ -60,6 +83,7 @@ class KVCompScheduler:
     freed: dict[str, int] = field(default_factory=dict)  # req_id -> leading columns freed
     dropped: list[str] = field(default_factory=list)
     events: list[CompressionEvent] = field(default_factory=list)
+    finished: list[dict[str, Any]] = field(default_factory=list)  # results since the last stats
     blocks_freed_total: int = 0
     preemptions: int = 0
 
@@ -75,10 +99,7 @@ class KVCompScheduler:
         self.requests[request.request_id] = RequestStats(spec=spec, prompt_len=request.num_prompt_tokens)
         # Compaction rewrites this request's blocks in place: keep them out of everyone's prefix
         # cache (unique salt chains into every block hash) and never read cached prefixes.
-        request.cache_salt = f"kvcomp:{request.request_id}"
-        request.block_hashes = []
-        request.update_block_hashes()
-        request.skip_reading_prefix_cache = True
+        vllm_compat.salt_out_of_prefix_cache(request, f"kvcomp:{request.request_id}")
 
     # ------------------------------------------------------------------ per step
     def build_meta(self, scheduler_output) -> StepMetadata:
@@ -98,7 +119,7 @@ class KVCompScheduler:
             stats = self.requests.get(rid)
             if stats is None:
                 continue
-            block_ids = list(self.kv_cache_manager.get_block_ids(rid)[0])
+            block_ids = vllm_compat.request_block_ids(self.kv_cache_manager, rid)
             pos = computed[rid]
             meta.requests.append(
                 ScheduledRequest(
@@ -117,24 +138,20 @@ class KVCompScheduler:
     def on_worker_report(self, report: WorkerReport | None) -> None:
         if report is None:
             return
-        manager = self.kv_cache_manager.coordinator.single_type_managers[0]
         for rid, columns in report.freeable_blocks.items():
             stats = self.requests.get(rid)
-            if stats is None or rid not in manager.req_to_blocks:
+            if stats is None or not vllm_compat.holds_blocks(self.kv_cache_manager, rid):
                 continue  # finished or preempted meanwhile: its blocks were freed already
             before = self.freed.get(rid, 0)
             if columns > before:
-                manager._remove_blocks_in_range(rid, before, columns)
+                vllm_compat.free_blocks(self.kv_cache_manager, rid, before, columns)
                 self.freed[rid] = columns
                 stats.blocks_freed += columns - before
                 self.blocks_freed_total += columns - before
         for event in report.events:
             stats = self.requests.get(event.req_id)
             if stats is not None:
-                stats.compressions += 1
-                stats.tokens_kept = event.tokens_after
-                stats.tokens_evicted += event.tokens_evicted
-                stats.seconds += event.seconds
+                stats.record(event)
             self.events.append(event)
 
     def on_finished(self, request) -> dict[str, Any] | None:
@@ -143,8 +160,23 @@ class KVCompScheduler:
         if stats is None:
             return None
         self.dropped.append(request.request_id)
-        return {"kvcomp": stats.as_params()}
+        result = stats.as_params()
+        self.finished.append(result)
+        return {"kvcomp": result}
 
-    def take_events(self) -> list[CompressionEvent]:
+    def take_stats(self) -> dict[str, Any]:
+        """Events and finished results since the last call, plus the current gauges (metrics.py)."""
         events, self.events = self.events, []
-        return events
+        finished, self.finished = self.finished, []
+        return {"events": [dataclasses.asdict(e) for e in events], "finished": finished, "gauges": self.gauges()}
+
+    def gauges(self) -> dict[str, int]:
+        """Blocks freed early, held, and that would be held uncompressed, over running tracked requests."""
+        held = uncompressed = 0
+        for rid in self.requests:
+            if vllm_compat.holds_blocks(self.kv_cache_manager, rid):
+                columns = len(vllm_compat.request_block_ids(self.kv_cache_manager, rid))
+                uncompressed += columns
+                held += columns - self.freed.get(rid, 0)
+        return {"saved_blocks": sum(self.freed.values()), "held_blocks": held,
+                "uncompressed_blocks": uncompressed}

@@ -1,12 +1,10 @@
-"""Worker half of the kvcomp connector: window capture, compaction, per-head attention state.
+"""Worker half of the kvcomp connector: window capture, attention over packed pages, compaction.
 
 Per step: ``bind`` receives the scheduler's :class:`StepMetadata`; every attention layer calls
 :meth:`KVCompWorker.after_attention` (from the backend subclass) to capture window queries and
-to recompute the rows of compressed requests over their kept tokens; ``finish_step`` (from
-``wait_for_save``, after the whole forward) runs the policies and compacts the paged KV.
-The platform only enters through the :class:`PagedKV` layout of each layer's cache (CPU: torch
-recomputation; GPU: the per-head decode kernel of :mod:`vllm_kvcomp.ops`); policies score on the
-host.
+to attend the rows of compressed requests over their packed pages (one kernel call per layer);
+``finish_step`` (from ``wait_for_save``, after the whole forward) runs the policies and packs
+the kept tokens. The platform only enters through the :class:`PagedCache` of the KV buffer.
 """
 
 from __future__ import annotations
@@ -14,24 +12,46 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from vllm_kvcomp.engine.cache import PagedCache, SequenceCompensation
 from vllm_kvcomp.engine.metadata import (
     CompressionEvent,
     ScheduledRequest,
     StepMetadata,
     WorkerReport,
 )
-from vllm_kvcomp.engine.paged import PagedKV
+from vllm_kvcomp.engine.pages import RequestPages
 from vllm_kvcomp.engine.state import CompressedRequest, QueryWindow
-from vllm_kvcomp.policies.base import LayerKV, RequestState, Selection
-from vllm_kvcomp.policies.compensation import attention_with_lse, compensation_lse, merge_partials
+from vllm_kvcomp.policies.base import LayerKV, RequestState
 from vllm_kvcomp.spec import CompressionSpec
 
 logger = logging.getLogger(__name__)
 
 PolicyBuilder = Callable[[CompressionSpec], object]
+
+
+@dataclass
+class Row:
+    """A tracked request's batch row: its query tokens ``[lo, hi)``."""
+
+    index: int
+    req_id: str
+    lo: int
+    hi: int
+
+
+@dataclass
+class PagedBatch:
+    """This step's virtual sequences of compressed rows, sequence s = (row, head) in row order."""
+
+    tables: torch.Tensor  # [L, S, W] page ids
+    lengths: torch.Tensor  # [L, S]
+    query_start: torch.Tensor  # [S + 1] query rows of each sequence in the gathered queries
+    gather: torch.Tensor  # [T_seq] index into query.view(-1, G, D) (token * H_kv + head)
+    requests: list[CompressedRequest]
 
 
 class KVCompWorker:
@@ -41,28 +61,35 @@ class KVCompWorker:
         self.block_size = block_size
         self.build_policy = policy_builder
         self.layer_index: dict[str, int] = {}
-        self.paged: list[PagedKV] = []
+        self.cache: PagedCache | None = None
         self.requests: dict[str, CompressedRequest] = {}
         self.step: dict[str, ScheduledRequest] = {}
         self._slot_to_req: dict[int, str] = {}
-        self._rows: list[tuple[int, str, int, int]] | None = None  # (row, req_id, first, end token) tracked
+        self._rows: list[Row] | None = None
+        self._batch: PagedBatch | None = None
         self.step_cache: dict[int, object] = {}  # backend-derived per-step objects, e.g. trimmed metadata
         self._report = WorkerReport()
         self.scale: float | None = None
-        self.num_kv_heads = 0
 
     # ------------------------------------------------------------------ setup
     def register(
         self,
         kv_caches: dict[str, torch.Tensor],
         layer_index: dict[str, int],
-        layout: Callable[[torch.Tensor], PagedKV],
+        cache_cls: Callable[[list[torch.Tensor]], PagedCache],
     ) -> None:
-        """Wrap every layer's cache with ``layout`` (the platform's :class:`PagedKV` class)."""
+        """Page the KV buffer with ``cache_cls`` (the platform's :class:`PagedCache`)."""
         order = sorted(kv_caches, key=lambda n: layer_index[n])
         self.layer_index = {name: i for i, name in enumerate(order)}
-        self.paged = [layout(kv_caches[name]) for name in order]
-        self.num_kv_heads = kv_caches[order[0]].shape[1]
+        self.cache = cache_cls([kv_caches[name] for name in order])
+
+    @property
+    def num_layers(self) -> int:
+        return self.cache.geometry.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.cache.geometry.num_kv_heads
 
     # ------------------------------------------------------------------ per step
     def bind(self, meta: StepMetadata) -> None:
@@ -71,6 +98,7 @@ class KVCompWorker:
         self.step = {r.req_id: r for r in meta.requests}
         self._slot_to_req = {r.first_slot: r.req_id for r in meta.requests}
         self._rows = None
+        self._batch = None
         self.step_cache = {}
         for r in meta.requests:
             if r.req_id not in self.requests:
@@ -86,23 +114,19 @@ class KVCompWorker:
             logger.error("request %s served without compression: %s", r.req_id, err)
             spec = CompressionSpec()
             policy = spec.build_policy()
-        num_layers = len(self.paged)
         w = policy.queries_needed()
         return CompressedRequest(
             spec=spec,
             policy=policy,
+            pages=RequestPages(self.cache.geometry),
             policy_state=RequestState(prompt_len=r.prompt_len),
-            num_layers=num_layers,
-            num_kv_heads=self.num_kv_heads,
-            windows=[QueryWindow(w) for _ in range(num_layers)],
-            compensation=[None] * num_layers,
+            windows=[QueryWindow(w) for _ in range(self.num_layers)],
+            compensation=[None] * self.num_layers,
         )
 
-    def tracked_rows(
-        self, query_start_loc: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> list[tuple[int, str, int, int]]:
-        """(row, req_id, first token, end token) of tracked requests' batch rows, found by the
-        slot of each row's first new token (one host read per step, cached)."""
+    def tracked_rows(self, query_start_loc: torch.Tensor, slot_mapping: torch.Tensor) -> list[Row]:
+        """Batch rows of tracked requests, found by the slot of each row's first new token (one
+        host read per step, cached)."""
         if self._rows is None:
             rows = []
             if self._slot_to_req:
@@ -111,93 +135,77 @@ class KVCompWorker:
                 for row, slot in enumerate(first_slots):
                     rid = self._slot_to_req.get(int(slot))
                     if rid is not None:
-                        rows.append((row, rid, bounds[row], bounds[row + 1]))
+                        rows.append(Row(row, rid, bounds[row], bounds[row + 1]))
             self._rows = rows
         return self._rows
 
+    def rows_to_recompute(self, query_start_loc: torch.Tensor, slot_mapping: torch.Tensor) -> list[int]:
+        """Rows this worker attends itself in every layer (their request reads packed pages)."""
+        return [r.index for r in self.tracked_rows(query_start_loc, slot_mapping) if self.requests[r.req_id].compressed]
+
     # ------------------------------------------------------------------ attention
-    def after_attention(
-        self,
-        layer_name: str,
-        query: torch.Tensor,
-        output: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        seq_lens: torch.Tensor,
-        block_table: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        scale: float,
-    ) -> None:
-        """Capture window queries and recompute compressed rows (query/output [T, H_q, D])."""
+    def after_attention(self, layer_name: str, query: torch.Tensor, output: torch.Tensor,
+                        query_start_loc: torch.Tensor, slot_mapping: torch.Tensor, scale: float) -> None:
+        """Capture window queries and attend compressed rows (query/output [T, H_q, D])."""
         if not self.step:
             return
         layer = self.layer_index[layer_name]
         self.scale = scale
-        evicted = []
-        for row, rid, lo, hi in self.tracked_rows(query_start_loc, slot_mapping):
-            state, sched = self.requests[rid], self.step[rid]
-            window = state.windows[layer]
+        rows = self.tracked_rows(query_start_loc, slot_mapping)
+        for row in rows:
+            window = self.requests[row.req_id].windows[layer]
             if window.size:
-                window.push(query[lo:hi], torch.arange(sched.num_computed, sched.num_computed + (hi - lo)))
-            if state.evicted:
-                evicted.append((row, lo, hi, state))
-        if evicted:
-            self._attend_rows(layer, evicted, query, output, seq_lens, block_table, scale)
+                start = self.step[row.req_id].num_computed
+                window.push(query[row.lo : row.hi], torch.arange(start, start + row.hi - row.lo))
+        if self._batch is None:
+            self._batch = self._paged_batch([r for r in rows if self.requests[r.req_id].compressed])
+        batch = self._batch
+        if batch.requests:
+            group = query.shape[1] // self.num_kv_heads
+            flat_q, flat_out = query.reshape(-1, group, query.shape[2]), output.view(-1, group, output.shape[2])
+            out = self.cache.attend(flat_q[batch.gather], batch.tables[layer], batch.lengths[layer],
+                                    batch.query_start, scale, self._compensation(layer, batch))
+            flat_out[batch.gather] = out.to(output.dtype)
 
-    def _attend_rows(
-        self,
-        layer: int,
-        rows: list[tuple[int, int, int, CompressedRequest]],
-        query: torch.Tensor,
-        output: torch.Tensor,
-        seq_lens: torch.Tensor,
-        block_table: torch.Tensor,
-        scale: float,
-    ) -> None:
-        """Overwrite ``output`` rows of evicted requests with exact attention over kept tokens: one
-        kernel call for all one-token rows where the layout has ``decode``, else torch per row."""
-        if all(hi - lo == 1 for _, lo, hi, _ in rows):
-            device = query.device
-            token = torch.tensor([lo for _, lo, _, _ in rows], device=device)
-            row = torch.tensor([r for r, _, _, _ in rows], device=device)
-            starts = torch.stack([state.starts[layer] for *_, state in rows])
-            comp = [state.compensation[layer] for *_, state in rows]
-            out = self.paged[layer].decode(query[token], block_table[row], seq_lens[row], starts, comp, scale)
-            if out is not None:
-                output[token] = out.to(output.dtype)
-                return
-        for r, lo, hi, state in rows:
-            out = self._attend(state, layer, query[lo:hi], block_table[r], int(seq_lens[r]), scale)
-            output[lo:hi] = out.to(output.dtype)
+    def _paged_batch(self, rows: list[Row]) -> PagedBatch:
+        """Page tables and query layout of this step's compressed rows (built once per step)."""
+        heads = self.num_kv_heads
+        tables, lengths, counts, gather, requests = [], [], [], [], []
+        for row in rows:
+            sched, state = self.step[row.req_id], self.requests[row.req_id]
+            end = sched.num_computed + sched.num_scheduled
+            tables.append(state.pages.tables(torch.tensor(sched.block_ids), end))  # [L, H, W]
+            lengths.append(state.pages.lengths(end))
+            tokens = torch.arange(row.lo, row.hi)
+            gather.append((tokens.view(1, -1) * heads + torch.arange(heads).view(-1, 1)).flatten())
+            counts.extend([row.hi - row.lo] * heads)
+            requests.append(state)
+        width = max((t.shape[2] for t in tables), default=0)
+        padded = [torch.nn.functional.pad(t, (0, width - t.shape[2])) for t in tables]
+        device = self.cache.device
+        empty = torch.zeros(self.num_layers, 0, dtype=torch.long)
+        return PagedBatch(
+            tables=(torch.cat(padded, dim=1) if padded else empty.unsqueeze(-1)).to(device),
+            lengths=(torch.cat(lengths, dim=1) if lengths else empty).to(device),
+            query_start=torch.cumsum(torch.tensor([0, *counts]), 0).to(device),
+            gather=(torch.cat(gather) if gather else torch.zeros(0, dtype=torch.long)).to(device),
+            requests=requests,
+        )
 
-    def rows_to_recompute(self, query_start_loc: torch.Tensor, slot_mapping: torch.Tensor) -> list[int]:
-        """Rows whose attention this worker recomputes in every layer (their request evicted)."""
-        return [row for row, rid, _, _ in self.tracked_rows(query_start_loc, slot_mapping) if self.requests[rid].evicted]
-
-    def _attend(
-        self, state: CompressedRequest, layer: int, q: torch.Tensor, table: torch.Tensor, seq_len: int, scale: float
-    ) -> torch.Tensor:
-        """Exact attention of q [n, H_q, D] over each head's live suffix (+ compensation)."""
-        device = q.device
-        starts = state.starts[layer].to(device)
-        lo = int(starts.min())
-        slots = torch.arange(lo, seq_len, device=device)
-        keys, values = self.paged[layer].read(table, slots)  # [S, H_kv, D]
-        group = q.shape[1] // keys.shape[1]
-        keys = keys.repeat_interleave(group, dim=1)
-        values = values.repeat_interleave(group, dim=1)
-        n = q.shape[0]
-        head_start = starts.repeat_interleave(group).view(-1, 1, 1)  # [H_q, 1, 1]
-        q_pos = torch.arange(seq_len - n, seq_len, device=device).view(1, -1, 1)
-        mask = (slots.view(1, 1, -1) >= head_start) & (slots.view(1, 1, -1) <= q_pos)
-        out, lse = attention_with_lse(q, keys, values, scale, mask)
-        comp = state.compensation[layer]
-        if comp is not None:
-            k_hat = comp.keys.to(device).repeat_interleave(group, dim=0)
-            v_hat = comp.values.to(device).repeat_interleave(group, dim=0)
-            counts = comp.counts.to(device).repeat_interleave(group)
-            comp_out = v_hat.unsqueeze(0).expand(n, -1, -1).to(out.dtype)
-            out, _ = merge_partials(out, lse, comp_out, compensation_lse(q, k_hat, counts, scale))
-        return out
+    def _compensation(self, layer: int, batch: PagedBatch) -> SequenceCompensation | None:
+        """Per-sequence compensation tokens of ``layer`` (count 0 = none), or None if no row has one."""
+        entries = [state.compensation[layer] for state in batch.requests]
+        if all(c is None for c in entries):
+            return None
+        heads, dim = self.num_kv_heads, self.cache.head_dim
+        k_hat = torch.zeros(len(entries), heads, dim)
+        v_hat = torch.zeros_like(k_hat)
+        counts = torch.zeros(len(entries), heads)
+        for r, comp in enumerate(entries):
+            if comp is not None:
+                k_hat[r], v_hat[r], counts[r] = comp.keys.float(), comp.values.float(), comp.counts.float()
+        device = self.cache.device
+        return k_hat.flatten(0, 1).to(device), v_hat.flatten(0, 1).to(device), counts.flatten().to(device)
 
     # ------------------------------------------------------------------ after the forward
     def finish_step(self) -> None:
@@ -207,85 +215,77 @@ class KVCompWorker:
             if state is None or not state.spec.compresses:
                 continue
             end = sched.num_computed + sched.num_scheduled
-            if not state.compressed:
+            if state.policy_state.compressions == 0:
                 if end >= sched.prompt_len:
                     self._compress(rid, state, sched, end, decode=False)
                 continue
             state.steps_since += 1
             policy = state.policy
-            if policy.RECOMPRESSES and policy.due(state.policy_state, self._max_live(state, end), state.steps_since):
+            live = int(state.pages.lengths(end).max())
+            if policy.RECOMPRESSES and policy.due(state.policy_state, live, state.steps_since):
                 self._compress(rid, state, sched, end, decode=True)
 
-    @staticmethod
-    def _max_live(state: CompressedRequest, end: int) -> int:
-        return int((end - state.starts).max())
-
-    def _layer_input(self, state: CompressedRequest, layer: int, table: torch.Tensor, end: int) -> LayerKV:
-        starts = state.starts[layer] if state.compressed else torch.zeros(state.num_kv_heads, dtype=torch.long)
-        lo = int(starts.min())
-        keys, values = self.paged[layer].read(table, torch.arange(lo, end))  # [S, H, D]
-        lengths = end - starts
-        positions = torch.full((state.num_kv_heads, end - lo), -1, dtype=torch.long)
-        for h in range(state.num_kv_heads):
-            live = state.live_positions(layer, h, end)
-            positions[h, end - lo - live.numel() :] = live
-        window = state.windows[layer]
-        queries = None if window.queries is None else window.queries.transpose(0, 1).cpu()
-        return LayerKV(  # policies score on the host (a no-op copy on CPU)
-            keys=keys.transpose(0, 1).cpu(),
-            values=values.transpose(0, 1).cpu(),
-            layer=layer,
-            num_layers=state.num_layers,
-            lengths=lengths,
-            positions=positions,
-            queries=queries,
-            query_positions=window.positions,
-            scale=self.scale,
-        )
+    def _layer_inputs(self, state: CompressedRequest, block_ids: torch.Tensor, end: int) -> list[LayerKV]:
+        """Every layer's live K/V, right-aligned per head as policies expect (read on the host)."""
+        bs = self.block_size
+        tables, lengths = state.pages.tables(block_ids, end), state.pages.lengths(end)  # [L, H, W], [L, H]
+        n = int(lengths.max())
+        virtual = torch.arange(n) - (n - lengths.unsqueeze(-1))  # [L, H, N]; < 0: left padding
+        live = virtual >= 0
+        index = virtual.clamp(min=0)
+        pages = tables.gather(2, index // bs)[live]
+        keys, values = self.cache.read_cells(pages.to(self.cache.device), (index % bs)[live].to(self.cache.device))
+        full_k = keys.new_zeros(*live.shape, keys.shape[-1])
+        full_v = values.new_zeros(*live.shape, values.shape[-1])
+        full_k[live.to(keys.device)], full_v[live.to(keys.device)] = keys, values
+        inputs = []
+        for layer in range(self.num_layers):
+            width = int(lengths[layer].max())
+            positions = torch.full((self.num_kv_heads, width), -1, dtype=torch.long)
+            for head in range(self.num_kv_heads):
+                length = int(lengths[layer, head])
+                positions[head, width - length :] = state.pages.positions(layer, head, length)
+            window = state.windows[layer]
+            queries = None if window.queries is None else window.queries.transpose(0, 1).cpu()
+            inputs.append(LayerKV(  # policies score on the host (a no-op copy on CPU)
+                keys=full_k[layer, :, n - width :].cpu(), values=full_v[layer, :, n - width :].cpu(), layer=layer,
+                num_layers=self.num_layers, lengths=lengths[layer], positions=positions, queries=queries,
+                query_positions=window.positions, scale=self.scale,
+            ))
+        return inputs
 
     def _compress(self, rid: str, state: CompressedRequest, sched: ScheduledRequest, end: int, decode: bool) -> None:
         started = time.perf_counter()
-        table = torch.tensor(sched.block_ids, dtype=torch.long)
-        inputs = [self._layer_input(state, layer, table, end) for layer in range(state.num_layers)]
-        selections: list[Selection] = state.policy.select(inputs, state.policy_state)
+        block_ids = torch.tensor(sched.block_ids, dtype=torch.long)
+        inputs = self._layer_inputs(state, block_ids, end)
+        state.policy_state.page_quantum = (self.block_size, end % self.block_size)
+        selections = state.policy.select(inputs, state.policy_state)
         before = torch.stack([kv.valid_lengths() for kv in inputs])  # [L, H]
-        starts = torch.empty(state.num_layers, state.num_kv_heads, dtype=torch.long)
-        kept_positions: list[list[torch.Tensor]] = []
-        for layer, (kv, sel) in enumerate(zip(inputs, selections)):
-            lo = end - kv.num_slots
-            layer_pos = []
-            for h, idx in enumerate(sel.indices):
-                k = idx.numel()
-                src = idx + lo
-                dst = torch.arange(end - k, end)
-                if not torch.equal(src, dst):
-                    keys, values = self.paged[layer].read_head(table, h, src)  # copies
-                    self.paged[layer].write_head(table, h, dst, keys, values)
-                starts[layer, h] = end - k
-                layer_pos.append(kv.slot_positions()[h, idx])
-            kept_positions.append(layer_pos)
-            if sel.compensation is not None:  # the policy folds earlier entries in if it wants
-                state.compensation[layer] = sel.compensation
-        state.starts = starts
-        state.kept_positions = kept_positions
-        state.compact_end = end
+        kept = [[idx - (kv.num_slots - int(before[kv.layer, h])) for h, idx in enumerate(sel.indices)]
+                for kv, sel in zip(inputs, selections)]
+        after = torch.tensor([[len(idx) for idx in layer] for layer in kept])
+        compensations = [sel.compensation for sel in selections]
+        if bool((after < before).any()) or any(c is not None for c in compensations):
+            try:
+                move, pages = state.pages.compact(kept, block_ids, end)
+            except ValueError as err:  # a bug, not bad input: keep serving, uncompressed
+                logger.error("request %s left uncompressed: %s", rid, err)
+                state.spec = CompressionSpec()
+                return
+            self.cache.move(move)
+            state.pages = pages
+            self._report.freeable_blocks[rid] = pages.first_live_col
+        for layer, comp in enumerate(compensations):
+            if comp is not None:  # the policy folds earlier entries in if it wants
+                state.compensation[layer] = comp
         state.steps_since = 0
         state.policy_state.compressions += 1
-        state.freeable_blocks = int(starts.min()) // self.block_size
-        self._report.freeable_blocks[rid] = state.freeable_blocks
-        after = end - starts
-        self._report.events.append(
-            CompressionEvent(
-                req_id=rid,
-                policy=state.spec.policy,
-                tokens_before=int(before.max()),
-                tokens_after=int(after.max()),
-                tokens_evicted=int((before - after).sum()),
-                tokens_total=int(before.sum()),
-                seconds=time.perf_counter() - started,
-                decode=decode,
-            )
-        )
+        self._report.events.append(CompressionEvent(
+            req_id=rid, policy=state.spec.policy, tokens_before=int(before.max()), tokens_after=int(after.max()),
+            tokens_evicted=int((before - after).sum()), tokens_total=int(before.sum()), num_heads=before.numel(),
+            num_tokens=end,
+            seconds=time.perf_counter() - started, decode=decode,
+        ))
 
     def take_report(self) -> WorkerReport | None:
         report, self._report = self._report, WorkerReport()
@@ -297,5 +297,5 @@ class KVCompWorker:
         self.step = {}
         self._slot_to_req = {}
         self._rows = None
+        self._batch = None
         self.step_cache = {}
-

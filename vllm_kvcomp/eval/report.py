@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_kvcomp.spec import POLICY_NAMES
+from vllm_kvcomp.policies.registry import POLICY_NAMES
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from vllm_kvcomp.eval.scoring import score_sample
 from vllm_kvcomp.eval.tasks import TaskContext, generate
 from vllm_kvcomp.eval.tasks.base import Sample, sample_uid
-from vllm_kvcomp.spec import POLICY_NAMES
+from vllm_kvcomp.policies.registry import POLICY_NAMES
 
 HEADER = "X-KV-Compression"
 APPLIED_HEADER = "X-KV-Compression-Applied"

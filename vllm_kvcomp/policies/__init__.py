@@ -8,15 +8,15 @@ from vllm_kvcomp.policies.base import (
     ScorePolicy,
     Selection,
 )
-from vllm_kvcomp.policies.registry import available, get_policy_class
+from vllm_kvcomp.policies.registry import POLICY_NAMES, get_policy_class
 
 __all__ = [
+    "POLICY_NAMES",
     "Compensation",
     "LayerKV",
     "Policy",
     "RequestState",
     "ScorePolicy",
     "Selection",
-    "available",
     "get_policy_class",
 ]

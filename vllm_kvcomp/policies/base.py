@@ -16,13 +16,13 @@ group** (query head q belongs to KV head ``q // (H_q // H_kv)``), see :func:`red
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
 
-from vllm_kvcomp.spec import COMMON_PARAMS, CompressionSpec, Param, SpecError, kept_count
+from vllm_kvcomp.params import COMMON_PARAMS, Param, SpecError, kept_count
 
 
 @dataclass
@@ -121,9 +121,49 @@ class RequestState:
     budget: int | None = None
     compressions: int = 0
     layers: dict[int, dict[str, Any]] = field(default_factory=dict)
+    #: (block_size, residue) of the engine's pages for the compression in progress, or None:
+    #: every head's kept count must then be ``≡ residue (mod block_size)`` (or the whole head)
+    page_quantum: tuple[int, int] | None = None
 
     def layer(self, index: int) -> dict[str, Any]:
         return self.layers.setdefault(index, {})
+
+    def over_budget(self, num_tokens: int) -> bool:
+        """Whether cutting ``num_tokens`` live tokens back to ``budget`` frees something: on the
+        engine's page grid (rounded up to it) only once a whole page is over the budget."""
+        if self.budget is None:
+            return False
+        step = self.page_quantum[0] if self.page_quantum is not None else 1
+        return num_tokens - self.budget >= step
+
+    def page_count(self, kept: int, length: int) -> int:
+        """``kept`` rounded up to the page grid (``≡ residue``), at most ``length``."""
+        if self.page_quantum is None or kept >= length:
+            return min(kept, length)
+        block_size, residue = self.page_quantum
+        return min(length, kept + (residue - kept) % block_size)
+
+    def pad(self, indices: Sequence[torch.Tensor], priority: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
+        """Round each head's kept slots up to the page grid with its next-best slots.
+
+        indices: H sorted index tensors; priority [H, N] (higher = kept first; ties go to the
+        later slot); lengths [H] live right-aligned slots. Free quality: the page is held anyway.
+        """
+        out = []
+        n = priority.shape[1]
+        for h, idx in enumerate(indices):
+            length = int(lengths[h])
+            extra = self.page_count(len(idx), length) - len(idx)
+            if extra <= 0:
+                out.append(idx)
+                continue
+            free = torch.ones(n, dtype=torch.bool)
+            free[: n - length] = False
+            free[idx] = False
+            candidates = torch.nonzero(free).flatten().flip(0)  # later slots first for ties
+            order = torch.sort(priority[h, candidates].float(), descending=True, stable=True).indices
+            out.append(torch.sort(torch.cat([idx, candidates[order[:extra]]])).values)
+        return out
 
 
 # ---------------------------------------------------------------------------- shared helpers
@@ -232,9 +272,10 @@ class Policy:
         return out
 
     @classmethod
-    def from_spec(cls, spec: CompressionSpec) -> Policy:
-        """Instantiate with the spec's values over the defaults; raises SpecError on bad combos."""
-        kwargs = {k: v for k, v in spec.to_dict().items() if k != "policy"}
+    def from_settings(cls, settings: Mapping[str, Any]) -> Policy:
+        """Instantiate with validated settings (a spec's :meth:`~CompressionSpec.settings`)
+        over the defaults; raises SpecError on bad combinations."""
+        kwargs = dict(settings)
         if "budget" in kwargs and "ratio" in {f.name for f in fields(cls)}:
             kwargs["ratio"] = None
         unknown = set(kwargs) - set(cls.accepted_params())
@@ -269,7 +310,7 @@ class Policy:
     def due(self, state: RequestState, num_tokens: int, steps_since: int) -> bool:
         """Whether to recompress now, during decode (only asked if ``RECOMPRESSES``)."""
         interval = getattr(self, "interval", None) or 1
-        return steps_since >= interval and state.budget is not None and num_tokens > state.budget
+        return steps_since >= interval and state.over_budget(num_tokens)
 
     def select(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
         """One Selection per layer. Default: :meth:`select_layer` on each layer."""
@@ -277,6 +318,9 @@ class Policy:
 
     def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
         raise NotImplementedError
+
+
+Allocator = Callable[[torch.Tensor, int, torch.Tensor, int, int], list[torch.Tensor]]
 
 
 @dataclass
@@ -305,18 +349,27 @@ class ScorePolicy(Policy):
         """Kept slots per head from scores [H_kv, N]; default: the same ``budget`` for every head."""
         return protected_topk(scores, budget, lengths, sink, window)
 
-    def commit(self, kv: LayerKV, state: RequestState, selection: Selection) -> None:
-        """Update per-slot policy state to the kept slots (default: nothing to carry)."""
+    def commit(self, kv: LayerKV, state: RequestState, selection: Selection, chosen: list[torch.Tensor]) -> None:
+        """Update per-slot policy state to the kept slots (default: nothing to carry).
 
-    def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
+        ``selection`` is what is kept (page-rounded); ``chosen`` the slots the allocation picked.
+        """
+
+    def select_scored(self, kv: LayerKV, state: RequestState, budget: int, allocate: Allocator) -> Selection:
+        """One layer: protected region and scores of this policy, ``allocate``'s picks, rounded
+        up to the page grid by score, then committed."""
         lengths = kv.valid_lengths()
-        if state.budget is None:
-            state.budget = self.target_budget(int(lengths.max()))
         sink, window = self.protected_for(kv, state)
         scores = self.score(kv, state).float().cpu()
-        selection = Selection(self.allocate(scores, state.budget, lengths, sink, window))
-        self.commit(kv, state, selection)
+        chosen = allocate(scores, budget, lengths, sink, window)
+        selection = Selection(state.pad(chosen, scores, lengths))
+        self.commit(kv, state, selection, chosen)
         return selection
+
+    def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
+        if state.budget is None:
+            state.budget = self.target_budget(int(kv.valid_lengths().max()))
+        return self.select_scored(kv, state, state.budget, self.allocate)
 
 
 @dataclass
@@ -359,16 +412,17 @@ class SlotMemory:
         return torch.where(hit, self.values.gather(1, idx), out)
 
 
-def keep_pinned(kv: LayerKV, pinned: torch.Tensor, sink: int, keep: int) -> list[torch.Tensor]:
+def keep_pinned(kv: LayerKV, pinned: torch.Tensor, sink: int, keep: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Per head: the first ``sink`` live slots, the pinned slots, then the most recent up to ``keep``.
 
     pinned [H_kv, N] bool. For policies whose selected set stays while the recent window slides
-    (SAGE-KV, entropy-guided budgets). Returns H_kv sorted index tensors of ``min(keep, length)``.
+    (SAGE-KV, entropy-guided budgets). Returns H_kv sorted index tensors of ``min(keep, length)``
+    and the priority [H_kv, N] they were ranked by (pinned first, then recency).
     """
     n = kv.num_slots
     recency = torch.arange(n, dtype=torch.float32) / max(n, 1)
-    scores = recency.expand(kv.num_kv_heads, -1) + 2.0 * pinned.float()
-    return protected_topk(scores, keep, kv.valid_lengths(), sink, 0)
+    priority = recency.expand(kv.num_kv_heads, -1) + 2.0 * pinned.float()
+    return protected_topk(priority, keep, kv.valid_lengths(), sink, 0), priority
 
 
 def entropy(probs: torch.Tensor, dim: int = -1) -> torch.Tensor:

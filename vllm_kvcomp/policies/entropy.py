@@ -27,6 +27,7 @@ from typing import ClassVar
 
 import torch
 
+from vllm_kvcomp.params import Param, SpecError
 from vllm_kvcomp.policies.base import (
     LayerKV,
     Policy,
@@ -38,7 +39,6 @@ from vllm_kvcomp.policies.base import (
     protected_topk,
     window_attention,
 )
-from vllm_kvcomp.spec import Param, SpecError
 
 
 def layer_entropy(probs: torch.Tensor) -> float:
@@ -146,12 +146,14 @@ class EntropyBudget(Policy):
         shared = probs.float().sum(dim=(0, 1)).cpu()  # [N]
         sink, _, recent = split_layer_budget(budget)
         lengths = kv.valid_lengths()
-        indices = protected_topk(shared.expand(kv.num_kv_heads, -1), budget, lengths, sink, recent)
+        priority = shared.expand(kv.num_kv_heads, -1)
+        chosen = protected_topk(priority, budget, lengths, sink, recent)
+        indices = state.pad(chosen, priority, lengths)
         start = kv.num_slots - lengths
         slots = torch.arange(kv.num_slots).unsqueeze(0)
         middle = (slots >= (start + sink).unsqueeze(1)) & (slots < kv.num_slots - recent)
         kept = torch.zeros_like(middle)
-        for h, idx in enumerate(indices):
+        for h, idx in enumerate(chosen):  # the top-ranked picks are pinned, page-rounding extras are not
             kept[h, idx] = True
         memory = state.layer(kv.layer)
         memory["budget"], memory["sink"] = budget, sink
@@ -163,6 +165,7 @@ class EntropyBudget(Policy):
         memory = state.layer(kv.layer)
         positions = kv.slot_positions()
         pinned = memory["pinned"].lookup(positions) > 0
-        indices = keep_pinned(kv, pinned, memory["sink"], memory["budget"])
+        chosen, priority = keep_pinned(kv, pinned, memory["sink"], memory["budget"])
+        indices = state.pad(chosen, priority, kv.valid_lengths())
         memory["pinned"] = SlotMemory.kept(pinned.float(), positions, indices)
         return Selection(indices)

@@ -18,6 +18,7 @@ from typing import ClassVar
 
 import torch
 
+from vllm_kvcomp.params import Param
 from vllm_kvcomp.policies.base import (
     LayerKV,
     RequestState,
@@ -28,7 +29,6 @@ from vllm_kvcomp.policies.base import (
     window_attention,
 )
 from vllm_kvcomp.policies.wrappers import HEADS_PARAMS, HeadsChoice
-from vllm_kvcomp.spec import Param
 
 
 @dataclass
@@ -67,7 +67,7 @@ class H2O(HeadsChoice, ScorePolicy):
         memory["pending"] = (acc, counted)
         return acc
 
-    def commit(self, kv: LayerKV, state: RequestState, selection: Selection) -> None:
+    def commit(self, kv: LayerKV, state: RequestState, selection: Selection, chosen: list[torch.Tensor]) -> None:
         memory = state.layer(kv.layer)
         acc, counted = memory.pop("pending")
         memory["acc"] = SlotMemory.kept(acc, kv.slot_positions(), selection.indices)

@@ -11,9 +11,9 @@ from typing import ClassVar
 
 import torch
 
+from vllm_kvcomp.params import Param
 from vllm_kvcomp.policies.base import LayerKV, RequestState, ScorePolicy
 from vllm_kvcomp.policies.wrappers import HEADS_PARAMS, HeadsChoice
-from vllm_kvcomp.spec import Param
 
 
 @dataclass

@@ -95,10 +95,13 @@ class LagKV(Policy):
             start, first, cursors[h] = self._bounds(kv.num_slots, int(lengths[h]), positions[h], cursors[h])
             groups.setdefault((start, first), []).append(h)
         indices: list[torch.Tensor] = [torch.empty(0, dtype=torch.long)] * kv.num_kv_heads
+        priority = torch.zeros(kv.num_kv_heads, kv.num_slots)  # scored partitions' tokens, for page rounding
         for (start, first), heads in groups.items():
-            for h, idx, cursor in self._heads(kv, heads, start, first, positions):
+            for h, idx, cursor, scores in self._heads(kv, heads, start, first, positions):
                 indices[h] = idx
                 cursors[h] = cursor if cursor is not None else cursors[h]
+                priority[h, first : first + scores.numel()] = scores
+        indices = state.pad(indices, priority, lengths)
         compressed = [len(idx) - int((positions[h, idx] >= (cursors[h] or 0)).sum()) for h, idx in enumerate(indices)]
         memory["cursor"] = cursors
         memory["compressed"] = min(compressed, default=0)
@@ -120,13 +123,13 @@ class LagKV(Policy):
 
     def _heads(
         self, kv: LayerKV, heads: list[int], start: int, first: int, positions: torch.Tensor
-    ) -> list[tuple[int, torch.Tensor, int | None]]:
-        """(head, kept slots, new cursor or None = unchanged) for heads sharing ``start``/``first``,
-        scored together: keys/values [G, parts, L, D]."""
+    ) -> list[tuple[int, torch.Tensor, int | None, torch.Tensor]]:
+        """(head, kept slots, new cursor or None = unchanged, scores of the slots from ``first``
+        on) for heads sharing ``start``/``first``, scored together: keys/values [G, parts, L, D]."""
         n = kv.num_slots
         parts = (n - first) // self.lag
         if parts < 2:
-            return [(h, torch.arange(start, n), None) for h in heads]
+            return [(h, torch.arange(start, n), None, torch.empty(0)) for h in heads]
         tail = first + (parts - 1) * self.lag
         keys = kv.keys[heads, first : first + parts * self.lag].unflatten(1, (parts, self.lag))
         values = kv.values[heads, first : first + parts * self.lag].unflatten(1, (parts, self.lag))
@@ -136,5 +139,6 @@ class LagKV(Policy):
         chosen = torch.sort((top + offsets).flatten(1), dim=-1).values  # [G, kept]
         head_slots, tail_slots = torch.arange(start, first), torch.arange(tail, n)
         return [
-            (h, torch.cat([head_slots, chosen[g], tail_slots]), int(positions[h, tail])) for g, h in enumerate(heads)
+            (h, torch.cat([head_slots, chosen[g], tail_slots]), int(positions[h, tail]), scores[g].flatten())
+            for g, h in enumerate(heads)
         ]

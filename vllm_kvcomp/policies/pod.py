@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from vllm_kvcomp.params import Param, SpecError
 from vllm_kvcomp.policies.base import (
     LayerKV,
     Policy,
@@ -43,7 +44,6 @@ from vllm_kvcomp.policies.base import (
 )
 from vllm_kvcomp.policies.compensation import attention_with_lse
 from vllm_kvcomp.policies.razor import PROFILE_PARAM, check_profile_name
-from vllm_kvcomp.spec import Param, SpecError
 
 if TYPE_CHECKING:
     from vllm_kvcomp.calibration.profiles import LayerGroupsProfile
@@ -209,7 +209,8 @@ class POD(Policy):
         scores[valid] = by_position[rows[valid], positions[valid]]
         sink, window = int(self.sink or 0), int(self.window or 0)
         keep = [min(state.budget, sink + window) if s else state.budget for s in skip.tolist()]
-        return Selection(protected_topk(scores, keep, kv.valid_lengths(), sink, window))
+        lengths = kv.valid_lengths()
+        return Selection(state.pad(protected_topk(scores, keep, lengths, sink, window), scores, lengths))
 
 
 def _group_size(kv: LayerKV) -> int:

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from vllm_kvcomp.params import Param, SpecError
 from vllm_kvcomp.policies.base import Compensation, LayerKV, Policy, RequestState, Selection
-from vllm_kvcomp.spec import Param, SpecError
 
 if TYPE_CHECKING:
     from vllm_kvcomp.calibration.profiles import RetrievalHeadsProfile
@@ -99,7 +99,7 @@ class Razor(Policy):
             length = int(lengths[h])
             start = n - length
             keep_sink = min(sink, length)
-            recent = min(self.recent_for(length), length - keep_sink)
+            recent = state.page_count(keep_sink + self.recent_for(length), length) - keep_sink
             if (kv.layer, h) in heads or keep_sink + recent >= length:
                 indices.append(torch.arange(start, n))
                 continue

@@ -1,13 +1,19 @@
-"""Name -> policy class. Adding a method = one module in this package + one line here."""
+"""The policies' one source of truth: public name -> class, and through the class its
+defaults (dataclass fields) and parameter schema (:meth:`Policy.accepted_params`).
+
+Adding a method = one module in this package + one line in :data:`POLICIES`. Everything that
+lists policies (the spec, the operator config and its JSON schema, the eval harness, the docs
+tests) reads :data:`POLICY_NAMES` from here.
+"""
 
 from __future__ import annotations
 
 import importlib
 
-from vllm_kvcomp.spec import POLICY_NAMES, SpecError
+from vllm_kvcomp.params import SpecError
 
-# public name -> "module:Class" inside vllm_kvcomp.policies (imported lazily)
-_CLASSES: dict[str, str] = {
+#: public name -> "module:Class" inside vllm_kvcomp.policies (imported lazily)
+POLICIES: dict[str, str] = {
     "full": "full:Full",
     "streamingllm": "streamingllm:StreamingLLM",
     "snapkv": "snapkv:SnapKV",
@@ -19,16 +25,15 @@ _CLASSES: dict[str, str] = {
     "razor": "razor:Razor",
     "pod": "pod:POD",
 }
+POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
+#: words a client may use for "do not compress" (``none`` is an alias of the ``full`` policy)
+NO_COMPRESSION_WORDS: tuple[str, ...] = ("none", "full")
 
 
 def get_policy_class(name: str):
     """The policy class for a public name; SpecError for unknown names."""
     try:
-        module, cls = _CLASSES[name].split(":")
+        module, cls = POLICIES[name].split(":")
     except KeyError:
         raise SpecError("policy", f"unknown policy {name!r}", ", ".join(POLICY_NAMES)) from None
     return getattr(importlib.import_module(f"vllm_kvcomp.policies.{module}"), cls)
-
-
-def available() -> tuple[str, ...]:
-    return POLICY_NAMES

@@ -102,16 +102,18 @@ class SageKV(ScorePolicy):
             return super().select_layer(kv, state)
         positions = kv.slot_positions()
         pinned = memory["pinned"].lookup(positions) > 0
-        selection = Selection(keep_pinned(kv, pinned, memory["sink"], int(state.budget or 0)))
+        chosen, priority = keep_pinned(kv, pinned, memory["sink"], int(state.budget or 0))
+        selection = Selection(state.pad(chosen, priority, kv.valid_lengths()))
         memory["pinned"] = SlotMemory.kept(pinned.float(), positions, selection.indices)
         return selection
 
-    def commit(self, kv: LayerKV, state: RequestState, selection: Selection) -> None:
-        """Pin the selected tokens once a selection really evicted something."""
+    def commit(self, kv: LayerKV, state: RequestState, selection: Selection, chosen: list[torch.Tensor]) -> None:
+        """Pin the tokens the top-k chose (not the page-rounding extras) once a selection
+        really evicted something."""
         if int(kv.valid_lengths().max()) <= int(state.budget or 0):
             return
         kept = torch.zeros(kv.num_kv_heads, kv.num_slots, dtype=torch.bool)
-        for h, idx in enumerate(selection.indices):
+        for h, idx in enumerate(chosen):
             kept[h, idx] = True
         pinned = (kept & self.eviction_region(kv, state)).float()
         memory = state.layer(kv.layer)

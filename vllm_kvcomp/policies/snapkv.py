@@ -14,6 +14,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from vllm_kvcomp.params import Param, SpecError
 from vllm_kvcomp.policies.base import (
     LayerKV,
     RequestState,
@@ -22,7 +23,6 @@ from vllm_kvcomp.policies.base import (
     window_attention,
 )
 from vllm_kvcomp.policies.wrappers import HEADS_PARAMS, HeadsChoice
-from vllm_kvcomp.spec import Param, SpecError
 
 
 def pool_scores(scores: torch.Tensor, kernel: int) -> torch.Tensor:

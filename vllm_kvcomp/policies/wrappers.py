@@ -14,13 +14,14 @@ Scores must be comparable across the heads of a layer for adaptive allocation to
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import ClassVar
 
 import torch
 
+from vllm_kvcomp.params import Param, SpecError
 from vllm_kvcomp.policies.base import (
     LayerKV,
     Policy,
@@ -29,7 +30,6 @@ from vllm_kvcomp.policies.base import (
     Selection,
     protected_topk,
 )
-from vllm_kvcomp.spec import Param, SpecError
 
 #: AdaKV's safeguard: every head keeps at least this fraction of the per-head budget.
 ADAPTIVE_FLOOR = 0.2
@@ -40,8 +40,6 @@ HEADS_PARAMS: dict[str, Param] = {
         help="per-head budget: uniform (same count per head) or adaptive (AdaKV, global top-k)",
     )
 }
-
-Allocator = Callable[[torch.Tensor, int, torch.Tensor, int, int], list[torch.Tensor]]
 
 
 def adaptive_topk(
@@ -74,17 +72,6 @@ def adaptive_topk(
     best = torch.sort(candidates, descending=True, stable=True).indices[:extra]
     taken.view(-1)[best] = True
     return [torch.nonzero(taken[h]).flatten() for h in range(num_heads)]
-
-
-def select_with(
-    inner: ScorePolicy, kv: LayerKV, state: RequestState, budget: int, allocate: Allocator
-) -> Selection:
-    """One layer of ``inner``: its protected region and scores, ``allocate``'s kept slots."""
-    sink, window = inner.protected_for(kv, state)
-    scores = inner.score(kv, state).float().cpu()
-    selection = Selection(allocate(scores, budget, kv.valid_lengths(), sink, window))
-    inner.commit(kv, state, selection)
-    return selection
 
 
 class HeadsChoice:
@@ -140,7 +127,7 @@ class AdaptiveHeads(_Wrapper):
     def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
         if state.budget is None:
             state.budget = self.target_budget(int(kv.valid_lengths().max()))
-        return select_with(self.inner, kv, state, state.budget, partial(adaptive_topk, floor=self.floor))
+        return self.inner.select_scored(kv, state, state.budget, partial(adaptive_topk, floor=self.floor))
 
 
 @dataclass
@@ -166,4 +153,4 @@ class LayerBudgets(_Wrapper):
             )
         if state.budget is None:
             state.budget = max(int(b) for b in self.budgets)
-        return [select_with(self.inner, kv, state, int(self.budgets[kv.layer]), self.inner.allocate) for kv in layers]
+        return [self.inner.select_scored(kv, state, int(self.budgets[kv.layer]), self.inner.allocate) for kv in layers]

@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from vllm_kvcomp import vllm_compat
 from vllm_kvcomp.engine.plugin import CONNECTOR_NAME, kv_transfer_config
 from vllm_kvcomp.models import MODEL_NAME, ModelError, fetch_default_model
 from vllm_kvcomp.server.operator_config import ConfigError, OperatorConfig
@@ -44,12 +45,7 @@ PLATFORM_FLAGS = ("dtype", "enforce_eager", "max_model_len", "gpu_memory_utiliza
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
     """vLLM's serve parser plus ``--kv-compression-config``; also vLLM's own platform defaults."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = make_arg_parser(
-        FlexibleArgumentParser(prog="vllm-kvcomp serve", description=DESCRIPTION)
-    )
+    parser = vllm_compat.serve_parser("vllm-kvcomp serve", DESCRIPTION)
     group = parser.add_argument_group("kvcomp")
     group.add_argument(
         "--kv-compression-config", metavar="PATH", default=None,
@@ -123,21 +119,13 @@ def _model_config(model: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse like ``vllm serve``, add the kvcomp wiring and run the server until it stops."""
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
-    from vllm.logger import configure_logging_from_args
-    from vllm.platforms import current_platform
-
-    cli_env_setup()
+    vllm_compat.server_env_setup()
     parser, vllm_defaults = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        prepare(args, vllm_defaults, on_cpu=current_platform.is_cpu())
+        prepare(args, vllm_defaults, on_cpu=vllm_compat.platform_kind() == "cpu")
     except (ConfigError, ModelError, ValueError) as err:
         print(f"vllm-kvcomp serve: error: {err}", file=sys.stderr)
         return 2
-    configure_logging_from_args(args)
-    validate_parsed_serve_args(args)
-    ServeSubcommand.cmd(args)
+    vllm_compat.run_server(args)
     return 0

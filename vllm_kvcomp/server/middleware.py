@@ -17,7 +17,6 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from vllm_kvcomp.server import protocol
-from vllm_kvcomp.server.metrics import observe_finished
 from vllm_kvcomp.server.operator_config import OperatorConfig
 from vllm_kvcomp.server.results import ResultTap
 from vllm_kvcomp.spec import CompressionSpec
@@ -79,7 +78,7 @@ class KVCompressionMiddleware:
             self._config = OperatorConfig.load(path) if path else OperatorConfig.default()
         client = getattr(state, "engine_client", None)
         if client is not None:
-            self._tap = ResultTap.install(client, observe_finished)
+            self._tap = ResultTap.install(client)
         self._ready = True
 
 

@@ -36,15 +36,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from vllm_kvcomp.calibration.profiles import KINDS as PROFILE_KINDS
 from vllm_kvcomp.calibration.profiles import ProfileError, check_name
-from vllm_kvcomp.spec import (
-    NO_COMPRESSION_WORDS,
-    POLICY_NAMES,
-    CompressionSpec,
-    Param,
-    Scalar,
-    SpecError,
-    parse_header,
-)
+from vllm_kvcomp.params import Param, Scalar, SpecError
+from vllm_kvcomp.policies.registry import NO_COMPRESSION_WORDS, POLICY_NAMES
+from vllm_kvcomp.spec import CompressionSpec, parse_header
 
 PolicyName = Literal[POLICY_NAMES]  # type: ignore[valid-type]
 ProfileKind = Literal[PROFILE_KINDS]  # type: ignore[valid-type]
@@ -173,7 +167,7 @@ class OperatorConfig:
             source=source,
         )
         for name in config.allow:
-            config._check_builtin_defaults(name)
+            config.check_builtin_defaults(name)
         return replace(config, default_spec=_default_spec(raw.default, config))
 
     @staticmethod
@@ -238,7 +232,7 @@ class OperatorConfig:
         return tuple(p for p in self.allow if requires_profile(p) in (None, *self.profiles))
 
     # ----------------------------------------------------------------- load-time checks
-    def _check_builtin_defaults(self, name: str) -> None:
+    def check_builtin_defaults(self, name: str) -> None:
         """The operator defaults + class defaults of an allowed policy must fit the bounds."""
         try:
             spec = CompressionSpec(policy=name).with_defaults(self.policies.get(name, {}))

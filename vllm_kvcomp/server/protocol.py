@@ -19,8 +19,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_kvcomp.params import SpecError
 from vllm_kvcomp.server.operator_config import OperatorConfig
-from vllm_kvcomp.spec import XARGS_PREFIX, CompressionSpec, SpecError
+from vllm_kvcomp.spec import XARGS_PREFIX, CompressionSpec
 
 HEADER = "X-KV-Compression"
 APPLIED_HEADER = "X-KV-Compression-Applied"
@@ -170,29 +171,30 @@ USAGE_SUMS = ("prompt_tokens", "tokens_kept", "tokens_evicted", "blocks_freed", 
 def uncompressed_result(prompt_tokens: int) -> dict[str, Any]:
     """The engine result of a request that ran without compression."""
     return {"applied": NO_COMPRESSION, "policy": "full", "prompt_tokens": prompt_tokens,
-            "tokens_kept": prompt_tokens, "tokens_evicted": 0, "blocks_freed": 0, "compressions": 0,
-            "compression_seconds": 0.0, "preemptions": 0}
+            "tokens_kept": prompt_tokens, "kept_max_head": prompt_tokens, "kept_fraction": 1.0,
+            "tokens_evicted": 0, "blocks_freed": 0, "compressions": 0, "compression_seconds": 0.0,
+            "preemptions": 0}
 
 
 def usage_extension(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """``usage.kv_compression`` for the engine results of one response (several for a prompt list).
 
-    ``tokens_kept`` is the largest (layer, head) after the last compression (the prompt length if
-    the request was never compressed); ``tokens_evicted`` is summed over layers and heads;
-    ``kept_fraction`` is ``tokens_kept / prompt_tokens``.
+    Per request (see ``RequestStats``): ``tokens_kept`` the mean kept tokens per (layer, KV head)
+    after the last compression, ``kept_max_head`` the largest head, ``kept_fraction`` kept cells
+    over live cells (≤ 1); ``tokens_evicted`` is summed over layers and heads. For several prompts
+    the counts are summed, ``kept_max_head`` is the largest and ``kept_fraction`` is weighted by
+    prompt tokens.
     """
     first = results[0]
     out: dict[str, Any] = {"applied": first["applied"], "policy": first["policy"]}
     for key in USAGE_SUMS:
-        out[key] = sum(_kept(r) if key == "tokens_kept" else r.get(key, 0) for r in results)
+        out[key] = sum(r.get(key, 0) for r in results)
     out["compression_seconds"] = round(out["compression_seconds"], 6)
+    out["kept_max_head"] = max(r.get("kept_max_head", r["prompt_tokens"]) for r in results)
     prompt = out["prompt_tokens"]
-    out["kept_fraction"] = round(out["tokens_kept"] / prompt, 6) if prompt else 1.0
+    weighted = sum(r.get("kept_fraction", 1.0) * r["prompt_tokens"] for r in results)
+    out["kept_fraction"] = round(weighted / prompt, 6) if prompt else 1.0
     return out
-
-
-def _kept(result: Mapping[str, Any]) -> int:
-    return result["tokens_kept"] if result.get("compressions") else result["prompt_tokens"]
 
 
 def _json_type(value: Any) -> str:

@@ -13,6 +13,7 @@ from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
+from vllm_kvcomp import vllm_compat
 from vllm_kvcomp.server.protocol import uncompressed_result
 
 Result = dict[str, Any]
@@ -22,18 +23,17 @@ TAP_ATTRIBUTE = "_kvcomp_result_tap"
 class ResultTap:
     """Finished-request results by request id (oldest dropped beyond ``capacity``)."""
 
-    def __init__(self, on_compressed: Callable[[Result], None], capacity: int = 4096):
-        self._on_compressed = on_compressed
+    def __init__(self, capacity: int = 4096):
         self._capacity = capacity
         self._results: OrderedDict[str, Result] = OrderedDict()
 
     @classmethod
-    def install(cls, engine_client: Any, on_compressed: Callable[[Result], None]) -> ResultTap:
-        """Wrap ``engine_client.generate`` (once per client) and return the tap."""
+    def install(cls, engine_client: Any) -> ResultTap:
+        """Wrap ``engine_client.generate`` (once per client, see vllm_compat's ledger) and return the tap."""
         tap = getattr(engine_client, TAP_ATTRIBUTE, None)
         if tap is None:
-            tap = cls(on_compressed)
-            engine_client.generate = tap.wrap(engine_client.generate)
+            tap = cls()
+            vllm_compat.wrap_engine_generate(engine_client, tap.wrap)
             setattr(engine_client, TAP_ATTRIBUTE, tap)
         return tap
 
@@ -60,8 +60,6 @@ class ResultTap:
         result = (kv_transfer_params or {}).get("kvcomp")
         if result is None:
             result = uncompressed_result(prompt_tokens)
-        else:
-            self._on_compressed(result)
         self._results[request_id] = result
         while len(self._results) > self._capacity:
             self._results.popitem(last=False)

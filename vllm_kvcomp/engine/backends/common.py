@@ -1,9 +1,9 @@
 """What every kvcomp attention backend shares: the per-step hook around the parent kernel.
 
-Rows of requests that evicted tokens are attended exactly by the worker (over each (layer, head)'s
-kept suffix, plus the compensation token). So that the parent kernel does not also attend over
-their stale full-length context, those rows are trimmed for it to the block of their first new
-token: block table shifted, ``seq_lens`` cut. The trimmed metadata is a copy, built once per step
+Rows of compressed requests are attended exactly by the worker (over each (layer, head)'s packed
+pages, plus the compensation token). So that the parent kernel does not also attend over their
+stale full-length context, those rows are trimmed for it to the block of their first new token:
+block table shifted, ``seq_lens`` cut (its result for them is overwritten). The trimmed metadata is a copy, built once per step
 (vLLM's persistent ``seq_lens`` and block tables are read by the sampler and other layers and are
 never written). Requests without a spec, or that kept everything, are untouched.
 
@@ -53,16 +53,8 @@ class KVCompAttentionMixin:
         out = super().forward(layer, query, key, value, kv_cache, kernel_metadata, output, output_scale,
                               output_block_scale)
         n = attn_metadata.num_actual_tokens
-        worker.after_attention(
-            layer.layer_name,
-            query[:n],
-            output[:n],
-            attn_metadata.query_start_loc,
-            attn_metadata.seq_lens,
-            attn_metadata.block_table,
-            attn_metadata.slot_mapping,
-            self.scale,
-        )
+        worker.after_attention(layer.layer_name, query[:n], output[:n], attn_metadata.query_start_loc,
+                               attn_metadata.slot_mapping, self.scale)
         return out
 
     def _kernel_metadata(self, worker, layer, dtype: torch.dtype, meta):

@@ -10,13 +10,13 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from vllm.v1.attention.backends.flash_attn import (
+
+from vllm_kvcomp.engine.backends.common import KVCompAttentionMixin
+from vllm_kvcomp.vllm_compat import (
     FlashAttentionBackend,
     FlashAttentionImpl,
     FlashAttentionMetadata,
 )
-
-from vllm_kvcomp.engine.backends.common import KVCompAttentionMixin
 
 
 class KVCompFlashAttentionImpl(KVCompAttentionMixin, FlashAttentionImpl):

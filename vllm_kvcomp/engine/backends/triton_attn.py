@@ -9,13 +9,13 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from vllm.v1.attention.backends.triton_attn import (
+
+from vllm_kvcomp.engine.backends.common import KVCompAttentionMixin
+from vllm_kvcomp.vllm_compat import (
     TritonAttentionBackend,
     TritonAttentionImpl,
     TritonAttentionMetadata,
 )
-
-from vllm_kvcomp.engine.backends.common import KVCompAttentionMixin
 
 
 class KVCompTritonAttentionImpl(KVCompAttentionMixin, TritonAttentionImpl):

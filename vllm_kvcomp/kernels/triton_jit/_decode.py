@@ -8,7 +8,7 @@ output and its log-sum-exp. Stage 2 merges the splits and the compensation token
 import triton
 import triton.language as tl
 
-from ._paged import pv_dot, qk_dot, token_offsets
+from vllm_kvcomp.kernels.triton_jit._paged import pv_dot, qk_dot, token_offsets
 
 
 @triton.jit

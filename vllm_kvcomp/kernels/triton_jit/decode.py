@@ -5,8 +5,16 @@ from __future__ import annotations
 import torch
 import triton
 
-from ._decode import _decode_merge_kernel, _decode_split_kernel
-from .utils import CacheView, check_int_table, check_query, dot_f32, per_head
+from vllm_kvcomp.kernels.triton_jit._decode import _decode_merge_kernel, _decode_split_kernel
+from vllm_kvcomp.kernels.triton_jit.utils import (
+    CacheView,
+    check_int_table,
+    check_query,
+    dot_f32,
+    per_head,
+)
+
+Compensation = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def decode_attention(
@@ -40,52 +48,59 @@ def decode_attention(
     if start is None:
         start = torch.zeros(1, dtype=torch.int32, device=q.device).expand(batch)
     start = per_head(start, batch, view.num_heads, "start")
-    has_comp = comp_counts is not None
-    if has_comp:
-        shape = (batch, view.num_heads, d)
-        if (
-            k_hat is None
-            or v_hat is None
-            or tuple(k_hat.shape) != shape
-            or tuple(v_hat.shape) != shape
-        ):
-            raise ValueError(f"compensation needs k_hat and v_hat of shape {shape}")
-        if tuple(comp_counts.shape) != shape[:2]:
-            raise ValueError(f"comp_counts must be [B, H_kv] = {shape[:2]}")
-        k_hat, v_hat = k_hat.contiguous(), v_hat.contiguous()
-        comp_counts = comp_counts.to(torch.float32).contiguous()
+    comp = _check_compensation(k_hat, v_hat, comp_counts, (batch, view.num_heads, d))
     if num_splits < 1:
         raise ValueError("num_splits must be >= 1")
     scale = d**-0.5 if scale is None else scale
-    group = hq // view.num_heads
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim")
     lse = torch.empty(batch, hq, dtype=torch.float32, device=q.device)
-    if batch == 0:
-        return out, lse
+    if batch:
+        _launch(q, kv_cache, view, block_table, seq_lens, start, comp, scale, num_splits, out, lse)
+    return out, lse
+
+
+def _check_compensation(
+    k_hat: torch.Tensor | None,
+    v_hat: torch.Tensor | None,
+    comp_counts: torch.Tensor | None,
+    shape: tuple[int, int, int],
+) -> Compensation | None:
+    """(k_hat, v_hat [B, H_kv, D] contiguous, counts [B, H_kv] float32) or None when off."""
+    if comp_counts is None:
+        return None
+    if k_hat is None or v_hat is None or tuple(k_hat.shape) != shape or tuple(v_hat.shape) != shape:
+        raise ValueError(f"compensation needs k_hat and v_hat of shape {shape}")
+    if tuple(comp_counts.shape) != shape[:2]:
+        raise ValueError(f"comp_counts must be [B, H_kv] = {shape[:2]}")
+    return k_hat.contiguous(), v_hat.contiguous(), comp_counts.to(torch.float32).contiguous()
+
+
+def _launch(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    view: CacheView,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor,
+    comp: Compensation | None,
+    scale: float,
+    num_splits: int,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """Stage 1 (one program per request, KV head and key split) then stage 2 (the merge)."""
+    batch, hq, d = q.shape
+    group = hq // view.num_heads
     mid_o = torch.empty(batch, hq, num_splits, d, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, hq, num_splits, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(d)
     _decode_split_kernel[(batch, view.num_heads, num_splits)](
-        q,
-        kv_cache,
-        block_table,
-        seq_lens,
-        start,
-        mid_o,
-        mid_lse,
-        scale,
-        num_splits,
-        q.stride(0),
-        q.stride(1),
-        view.stride_blk,
-        view.stride_tok,
-        view.stride_head,
-        block_table.stride(0),
-        start.stride(0),
-        start.stride(1),
+        q, kv_cache, block_table, seq_lens, start, mid_o, mid_lse, scale, num_splits,
+        q.stride(0), q.stride(1), view.stride_blk, view.stride_tok, view.stride_head,
+        block_table.stride(0), start.stride(0), start.stride(1),
         GROUP=group,
         HEAD_DIM=d,
         BLOCK_D=block_d,
@@ -94,24 +109,13 @@ def decode_attention(
         BLOCK_SIZE=view.block_size,
         DOT_F32=dot_f32(q.dtype),
     )
+    # Pointer arguments must be tensors even when the token is off: q/lse stand in, unread.
+    k_hat, v_hat, counts = comp if comp is not None else (q, q, lse)
     _decode_merge_kernel[(batch, hq)](
-        q,
-        mid_o,
-        mid_lse,
-        k_hat if has_comp else q,
-        v_hat if has_comp else q,
-        comp_counts if has_comp else lse,
-        out,
-        lse,
-        scale,
-        num_splits,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
+        q, mid_o, mid_lse, k_hat, v_hat, counts, out, lse, scale, num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         GROUP=group,
         HEAD_DIM=d,
         BLOCK_D=block_d,
-        HAS_COMP=has_comp,
+        HAS_COMP=comp is not None,
     )
-    return out, lse

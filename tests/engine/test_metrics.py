@@ -1,4 +1,4 @@
-"""The Prometheus series without vLLM: fed connector stats and finished results by hand."""
+"""The engine's stats and their Prometheus series, without vLLM: stats fed by hand."""
 
 from __future__ import annotations
 
@@ -8,13 +8,11 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from vllm_kvcomp.server import metrics
-from vllm_kvcomp.server.metrics import KVCompPromMetrics
+from vllm_kvcomp.engine.metrics import GAUGES, KVCompPromMetrics, KVCompStats
 
 
 @pytest.fixture
-def registry(monkeypatch) -> CollectorRegistry:
-    monkeypatch.setattr(metrics, "_active", None)
+def registry() -> CollectorRegistry:
     return CollectorRegistry()
 
 
@@ -26,17 +24,19 @@ def build(registry: CollectorRegistry) -> KVCompPromMetrics:
 
 def event(policy: str, before: int, after: int, seconds: float) -> dict:
     return {"req_id": "r", "policy": policy, "tokens_before": before, "tokens_after": after,
-            "tokens_evicted": (before - after) * 6, "tokens_total": before * 6, "seconds": seconds, "decode": False}
+            "tokens_evicted": (before - after) * 6, "tokens_total": before * 6, "num_heads": 6, "num_tokens": before,
+            "seconds": seconds, "decode": False}
 
 
 def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
     return registry.get_sample_value(name, labels) or 0.0
 
 
-def test_step_stats_feed_the_event_series_and_the_gauge(registry):
+def test_step_stats_feed_the_event_series_and_the_gauges(registry):
     series = build(registry)
+    gauges = {"saved_blocks": 7, "held_blocks": 5, "uncompressed_blocks": 12}
     series.observe({"events": [event("snapkv", 100, 25, 0.02), event("snapkv", 200, 100, 0.004),
-                               event("h2o", 64, 16, 0.3)], "saved_blocks": 7}, engine_idx=1)
+                               event("h2o", 64, 16, 0.3)], "gauges": gauges}, engine_idx=1)
     snap = {"model_name": "tiny", "engine": "1", "policy": "snapkv"}
     assert value(registry, "vllm:kvcomp_tokens_evicted_total", **snap) == (75 + 100) * 6
     assert value(registry, "vllm:kvcomp_compression_seconds_count", **snap) == 2
@@ -45,23 +45,29 @@ def test_step_stats_feed_the_event_series_and_the_gauge(registry):
     assert value(registry, "vllm:kvcomp_achieved_ratio_bucket", **snap, le="0.25") == 1
     assert value(registry, "vllm:kvcomp_achieved_ratio_bucket", **snap, le="0.5") == 2
     assert value(registry, "vllm:kvcomp_tokens_evicted_total", model_name="tiny", engine="1", policy="h2o") == 48 * 6
-    assert value(registry, "vllm:kvcomp_saved_blocks", model_name="tiny", engine="1") == 7
+    for name, number in gauges.items():
+        assert value(registry, f"vllm:kvcomp_{name}", model_name="tiny", engine="1") == number
     assert value(registry, "vllm:kvcomp_tokens_evicted_total", model_name="tiny", engine="0", policy="snapkv") == 0
-    series.observe({"events": [], "saved_blocks": 0}, engine_idx=1)
+    series.observe({"events": [], "gauges": dict.fromkeys(GAUGES, 0)}, engine_idx=1)
     assert value(registry, "vllm:kvcomp_saved_blocks", model_name="tiny", engine="1") == 0
 
 
-def test_finished_requests_feed_the_request_series(registry):
-    build(registry)
+def test_finished_requests_feed_the_request_series_of_their_engine(registry):
+    series = build(registry)
     result = {"policy": "lagkv", "compressions": 1, "blocks_freed": 9}
-    metrics.observe_finished(result)
-    metrics.observe_finished({**result, "blocks_freed": 3})
-    metrics.observe_finished({**result, "compressions": 0, "blocks_freed": 0})  # finished before compressing
-    labels = {"model_name": "tiny", "policy": "lagkv"}
+    finished = [result, {**result, "blocks_freed": 3}, {**result, "compressions": 0, "blocks_freed": 0}]
+    series.observe({"finished": finished}, engine_idx=0)
+    series.observe({"finished": [result]}, engine_idx=1)
+    labels = {"model_name": "tiny", "engine": "0", "policy": "lagkv"}
     assert value(registry, "vllm:kvcomp_requests_compressed_total", **labels) == 2
     assert value(registry, "vllm:kvcomp_blocks_freed_total", **labels) == 12
+    assert value(registry, "vllm:kvcomp_requests_compressed_total", **{**labels, "engine": "1"}) == 1
 
 
-def test_without_prometheus_finished_requests_are_ignored(registry):
-    metrics.observe_finished({"policy": "lagkv", "compressions": 1, "blocks_freed": 9})
-    assert list(registry.collect()) == []
+def test_stats_aggregate_across_steps_and_keep_the_latest_gauges():
+    a = KVCompStats(data={"events": [event("snapkv", 10, 5, 0.1)], "finished": [], "gauges": {"held_blocks": 3}})
+    b = KVCompStats(data={"events": [], "finished": [{"policy": "snapkv"}], "gauges": {"held_blocks": 2}})
+    merged = a.aggregate(b)
+    assert merged.reduce() == {"compressions": 1, "tokens_evicted": 30, "finished": 1, "held_blocks": 2}
+    assert not merged.is_empty()
+    assert KVCompStats(data={}).is_empty()

@@ -10,7 +10,10 @@ Each engine runs in its own subprocess (vLLM engines do not tear down cleanly in
 and warms up with one request before the first measured config. The defaults are the run in
 docs/engine.md (bundled SmolLM2 on CPU; about 45 minutes on 2 cores)::
 
-    vllm-kvcomp bench            # 24 x 2048-token requests, 396-block pool of 32-token blocks
+    vllm-kvcomp bench engine     # 24 x 2048-token requests, 396-block pool of 32-token blocks
+    python -m vllm_kvcomp.bench.engine --skip-overhead
+
+The tables are printed and written to ``--out`` (default docs/results/bench_engine.md).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import os
 import subprocess
 import sys
 import time
+
+from vllm_kvcomp.bench.common import module_main, write_report
 
 POLICIES = ("streamingllm", "snapkv", "h2o", "knorm", "sagekv", "lagkv", "entropy", "razor", "pod")
 
@@ -77,7 +82,7 @@ def _run_engine(args: argparse.Namespace, pool_blocks: int, configs: list[tuple[
 
 def _child(pool_blocks: int, configs: list[tuple[str, float]], num_requests: int) -> list[dict]:
     job = {"pool": pool_blocks, "configs": configs, "num_requests": num_requests}
-    cmd = [sys.executable, "-m", "vllm_kvcomp.eval.bench", "--child", json.dumps(job), *_forwarded]
+    cmd = [sys.executable, "-m", "vllm_kvcomp.bench.engine", "--child", json.dumps(job), *_forwarded]
     done = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -98,6 +103,7 @@ def _table(rows: list[dict], base: dict, title: str, ceiling: dict | None = None
 
 
 _forwarded: list[str] = []  # this run's own flags, handed to the engine subprocesses
+_NOT_FORWARDED = ("child", "skip_overhead", "skip_memory", "overhead_requests", "out", "command")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -125,31 +131,35 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(_run_engine(args, job["pool"], [tuple(c) for c in job["configs"]])))
         return 0
     _forwarded[:] = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                     if k not in ("child", "skip_overhead", "skip_memory", "overhead_requests") and v is not None]
+                     if k not in _NOT_FORWARDED and v is not None]
     policies = [p for p in args.policies.split(",") if p]
     ratios = [float(r) for r in args.ratios.split(",")]
     configs = [("full", 1.0)] + [(p, r) for r in ratios for p in policies]
     per_request = -(-(args.prompt_len + args.output_len) // args.block_size) + 1
+    report: list[str] = []
     if not args.skip_memory:
         bounded = _child(args.pool_blocks, configs, args.num_requests)
         best = max(bounded[1:], key=lambda r: r["peak_running"], default=bounded[0])
         ceiling = _child(per_request * best["peak_running"] + 8, [("full", 1.0)], best["peak_running"])[0]
-        print(_table(bounded[1:], bounded[0], f"(a) memory-bound: pool {args.pool_blocks} blocks x {args.block_size}, "
-                     f"{args.num_requests} requests of {args.prompt_len}+{args.output_len} tokens", ceiling))
-        print("throughput / ceiling: " + ", ".join(
+        report.append(_table(bounded[1:], bounded[0], f"(a) memory-bound: pool {args.pool_blocks} blocks x "
+                             f"{args.block_size}, {args.num_requests} requests of {args.prompt_len}+"
+                             f"{args.output_len} tokens", ceiling))
+        report.append("throughput / ceiling: " + ", ".join(
             f"{r['policy']}@{r['ratio']}={r['tokens_per_s'] / ceiling['tokens_per_s']:.2f}" for r in bounded[1:]))
+        print("\n".join(report[-2:]))
     if not args.skip_overhead:
         large = per_request * args.overhead_requests + 8
         overhead = _child(large, configs, args.overhead_requests)
-        print(_table(overhead[1:], overhead[0], f"(b) overhead: pool {large} blocks (everything fits)"))
+        report.append(_table(overhead[1:], overhead[0], f"(b) overhead: pool {large} blocks (everything fits)"))
+        print(report[-1])
+    # fixed-width tables: a code block keeps their columns in rendered markdown
+    write_report(args.out, args.command, "```\n" + "\n".join(report) + "\n```")
     return 0
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    sys.exit(run(parser.parse_args()))
+def main(argv: list[str] | None = None) -> int:
+    return module_main(sys.modules[__name__], "engine", argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Launcher-side helpers shared by the kernels: cache checks, interpreter detection."""
+"""Launcher-side helpers of the Triton kernels: cache checks, interpreter detection."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def check_query(q: torch.Tensor, view: CacheView, kv_cache: torch.Tensor) -> Non
 
 
 def check_int_table(name: str, t: torch.Tensor, dims: int) -> None:
-    """Index tensors are int32 with the given rank (ops.py converts before calling)."""
+    """Index tensors are int32 with the given rank (``vllm_kvcomp.kernels`` converts first)."""
     if t.dtype != torch.int32 or t.dim() != dims:
         raise ValueError(f"{name} must be a {dims}-d int32 tensor, got {t.dtype} {tuple(t.shape)}")
 

@@ -1,0 +1,111 @@
+"""Packed per-head pages without vLLM: a cache whose cells hold their own logical position.
+
+A simulated request grows like vLLM grows it (one block per ``bs`` tokens, every layer and head
+writing its token at the natural slot), is compressed to random page-rounded kept sets and keeps
+decoding; after every step each head's virtual sequence must read back exactly the positions it
+kept plus the tokens appended since, and nothing may live in a freed block.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from vllm_kvcomp.engine.pages import PageGeometry, RequestPages
+
+L, H, BS, NUM_BLOCKS = 3, 2, 4, 64
+
+
+class SimRequest:
+    """Cells ``[P, bs]`` holding logical positions (-1 = empty), a block list, a RequestPages."""
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+        self.geometry = PageGeometry(L, H, BS, torch.arange(L) * NUM_BLOCKS * H)
+        self.cells = torch.full((L * NUM_BLOCKS * H, BS), -1, dtype=torch.long)
+        self.free = list(range(1, NUM_BLOCKS))
+        self.rng.shuffle(self.free)
+        self.blocks: list[int] = []
+        self.pages = RequestPages(self.geometry)
+        self.length = 0
+        self.expected = [[[] for _ in range(H)] for _ in range(L)]  # positions each head holds
+
+    def append(self, n: int) -> None:
+        """vLLM's side: allocate blocks as needed and write positions at the natural slots."""
+        for t in range(self.length, self.length + n):
+            if t // BS >= len(self.blocks):
+                self.blocks.append(self.free.pop())
+            pages = self.geometry.page_ids(torch.tensor([self.blocks[t // BS]]))[..., 0]
+            self.cells[pages.flatten(), t % BS] = t
+            for layer in range(L):
+                for head in range(H):
+                    self.expected[layer][head].append(t)
+        self.length += n
+
+    def read(self) -> list[list[list[int]]]:
+        tables = self.pages.tables(torch.tensor(self.blocks), self.length)
+        lengths = self.pages.lengths(self.length)
+        out = []
+        for layer in range(L):
+            out.append([])
+            for head in range(H):
+                i = torch.arange(int(lengths[layer, head]))
+                out[layer].append(self.cells[tables[layer, head, i // BS], i % BS].tolist())
+        return out
+
+    def compress(self) -> int:
+        """Keep a random page-rounded subset per head; returns columns freed."""
+        residue = self.length % BS
+        kept = []
+        for layer in range(L):
+            kept.append([])
+            for head in range(H):
+                live = len(self.expected[layer][head])
+                choices = [k for k in range(residue, live + 1, BS)]
+                k = self.rng.choice(choices)
+                idx = sorted(self.rng.sample(range(live), k))
+                kept[layer].append(torch.tensor(idx, dtype=torch.long))
+                self.expected[layer][head] = [self.expected[layer][head][i] for i in idx]
+        before = self.pages.first_live_col
+        move, self.pages = self.pages.compact(kept, torch.tensor(self.blocks), self.length)
+        data = self.cells[move.src_pages, move.src_offsets].clone()  # gather every source first
+        self.cells[move.dst_pages, move.dst_offsets] = data
+        freed = self.blocks[before : self.pages.first_live_col]
+        for block in freed:  # what the scheduler gives back: poison it
+            self.cells[self.geometry.page_ids(torch.tensor([block])).flatten()] = -7
+        return len(freed)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_virtual_sequences_hold_what_was_kept_through_compressions_and_decode(seed):
+    req = SimRequest(seed)
+    req.append(req.rng.randrange(BS, 12 * BS))
+    for _ in range(4):
+        req.compress()
+        assert req.read() == req.expected
+        for _ in range(req.rng.randrange(1, 3 * BS)):
+            req.append(1)
+            assert req.read() == req.expected
+
+
+def test_blocks_held_are_the_packed_pages_plus_the_tail():
+    req = SimRequest(0)
+    req.append(10 * BS + 3)  # 11 blocks, residue 3
+    kept = [[torch.arange(BS + 3) for _ in range(H)] for _ in range(L)]  # one packed page per head
+    move, pages = req.pages.compact(kept, torch.tensor(req.blocks), req.length)
+    assert pages.tail_col == 10
+    assert pages.first_live_col == 10 - 1  # L * H = 6 pages fit one block
+    assert pages.counts.tolist() == [[1] * H] * L
+    assert sorted(pages.packed.flatten().tolist()) == sorted(
+        req.geometry.page_ids(torch.tensor([req.blocks[9]])).flatten().tolist())
+    assert len(move) > 0
+
+
+def test_counts_off_the_page_grid_are_refused():
+    req = SimRequest(1)
+    req.append(3 * BS + 1)
+    kept = [[torch.arange(2) for _ in range(H)] for _ in range(L)]  # 2 is not ≡ 1 (mod 4)
+    with pytest.raises(ValueError, match="mod"):
+        req.pages.compact(kept, torch.tensor(req.blocks), req.length)

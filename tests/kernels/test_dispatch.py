@@ -1,0 +1,103 @@
+"""vllm_kvcomp.kernels: the dispatch rule, and the torch and Triton paths behind the same call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.kernel_refs import assert_decode_close
+from tests.kernels.cases import COVER, DEVICE, INTERPRET, Case
+from vllm_kvcomp import kernels
+from vllm_kvcomp.kernels.fixtures import random_starts
+
+BACKENDS = ["torch", "triton"] if DEVICE == "cpu" else ["triton"]
+SEQ_LENS = [70, 1, 33]
+KV_HEADS = 2
+
+
+def test_auto_dispatch_rule() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert kernels.resolve_backend("decode_attention", cpu) == "torch"
+    built = "cuda" if kernels.cuda_extension_available() else "triton"
+    assert kernels.resolve_backend("decode_attention", cuda) == built
+    assert kernels.resolve_backend("decode_attention", cuda, cuda_ok=False) == "triton"
+
+
+def test_forced_backends(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    assert kernels.resolve_backend("decode_attention", torch.device("cuda"), "torch") == "torch"
+    with pytest.raises(ValueError, match="unknown kernel backend"):
+        kernels.resolve_backend("decode_attention", cpu, "tpu")
+    with pytest.raises(ValueError, match="unknown kernel op"):
+        kernels.resolve_backend("compact_heads", cpu)
+    with pytest.raises(RuntimeError, match="CUDA extension"):
+        kernels.resolve_backend("decode_attention", cpu, "cuda")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        kernels.resolve_backend("decode_attention", cpu, "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert kernels.resolve_backend("decode_attention", cpu, "triton") == "triton"
+
+
+def test_public_api() -> None:
+    assert kernels.BACKENDS == ("cuda", "triton", "torch")
+    assert set(kernels.__all__) == {
+        "BACKENDS",
+        "cuda_extension_available",
+        "decode_attention",
+        "resolve_backend",
+    }
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", COVER[:3], ids=str)
+def test_decode_attention(case: Case, backend: str) -> None:
+    paged = case.paged(SEQ_LENS, KV_HEADS)
+    gen = torch.Generator().manual_seed(1)
+    batch, d = len(SEQ_LENS), case.head_dim
+    q = torch.randn(batch, KV_HEADS * case.group, d, generator=gen).to(case.dtype)
+    starts = random_starts(SEQ_LENS, KV_HEADS, min_len=0)
+    comp = (
+        torch.randn(batch, KV_HEADS, d),
+        torch.randn(batch, KV_HEADS, d),
+        torch.tensor([[2.0, 0.0]] * batch),
+    )
+    # int64 index tensors: the dispatch converts them for the kernels
+    args = (q.to(DEVICE), paged.cache, paged.block_table.long(), paged.seq_lens.long())
+    out, lse = kernels.decode_attention(
+        *args, starts.long().to(DEVICE), tuple(t.to(DEVICE) for t in comp), backend=backend
+    )
+    assert_decode_close(q, paged, starts, comp, d**-0.5, out, lse, what=f"{backend} {case}")
+    # a [B] start is one start for every head of the request
+    out_b, lse_b = kernels.decode_attention(
+        *args, torch.tensor([3, 0, 5], device=DEVICE), backend=backend
+    )
+    shared = torch.tensor([3, 0, 5], dtype=torch.int32).view(-1, 1).expand(-1, KV_HEADS)
+    assert_decode_close(q, paged, shared, None, d**-0.5, out_b, lse_b, what="[B] start")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backends_agree_on_an_int_start_and_a_custom_scale(backend: str) -> None:
+    """An int start and an explicit scale reach every backend the same way."""
+    case = COVER[0]
+    paged = case.paged(SEQ_LENS, KV_HEADS, seed=4)
+    q = torch.randn(len(SEQ_LENS), KV_HEADS * case.group, case.head_dim).to(case.dtype)
+    out, lse = kernels.decode_attention(
+        q.to(DEVICE), paged.cache, paged.block_table, paged.seq_lens, 1, scale=0.3, backend=backend
+    )
+    starts = torch.ones(len(SEQ_LENS), KV_HEADS, dtype=torch.int32)
+    assert_decode_close(q, paged, starts, None, 0.3, out, lse, what=f"{backend} int start")
+    assert torch.isneginf(lse[1]).all()  # request 1 holds one slot, start 1 leaves nothing
+
+
+@pytest.mark.skipif(
+    not INTERPRET and DEVICE == "cpu", reason="needs TRITON_INTERPRET=1 for Triton on CPU"
+)
+def test_triton_launcher_rejects_wrong_index_dtype() -> None:
+    """The launcher takes int32 only; the dispatch converts, a direct call with int64 is an error."""
+    from vllm_kvcomp.kernels.triton_jit.decode import decode_attention
+
+    paged = COVER[0].paged(SEQ_LENS, KV_HEADS)
+    q = torch.randn(len(SEQ_LENS), KV_HEADS, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="int32"):
+        decode_attention(q, paged.cache, paged.block_table.long(), paged.seq_lens)

@@ -1,0 +1,59 @@
+"""``vllm-kvcomp bench [NAME] [ARGS]``: the one runner of vllm-kvcomp's benchmarks.
+
+NAME is one of :data:`BENCHMARKS`; without one (or when the first argument starts with ``-``) it
+runs ``engine``, so ``vllm-kvcomp bench --skip-overhead`` keeps working. ``--list`` prints the
+names. Every benchmark also runs as ``python -m vllm_kvcomp.bench.<name>`` and writes its result
+table to ``--out`` (default ``docs/results/bench_<name>.md``) under the exact command line.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from vllm_kvcomp.bench.common import default_out, run_benchmark
+
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "engine": ("vllm_kvcomp.bench.engine", "memory and throughput inside vLLM, full vs policies"),
+    "kernels": ("vllm_kvcomp.bench.kernels", "decode-attention kernel bandwidth vs device copy"),
+    "kept": ("vllm_kvcomp.bench.kept", "kept fraction of every policy after prefill (HF oracle)"),
+}
+DEFAULT = "engine"
+PROG = "vllm-kvcomp bench"
+
+
+def usage() -> str:
+    """The runner's help: its two forms and the benchmarks with their default output files."""
+    lines = [
+        f"usage: {PROG} [NAME] [ARGS ...] | {PROG} --list",
+        "",
+        "Run one benchmark: it prints its result table and writes it as markdown to --out.",
+        "",
+        "benchmarks:",
+        *(f"  {name:<8} {text} (writes {default_out(name)})" for name, (_, text) in BENCHMARKS.items()),
+        "",
+        f"Without NAME, or when the first argument starts with '-', runs {DEFAULT}.",
+        f"'{PROG} NAME --help' shows a benchmark's options.",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark named by ``argv[0]`` (default ``engine``) with the remaining arguments."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage())
+        raise SystemExit(0)
+    if argv[:1] == ["--list"]:
+        print("\n".join(BENCHMARKS))
+        return 0
+    explicit = bool(argv) and not argv[0].startswith("-")
+    name = argv[0] if explicit else DEFAULT
+    if name not in BENCHMARKS:
+        print(usage(), file=sys.stderr)
+        print(f"\n{PROG}: unknown benchmark {name!r} (choose from {', '.join(BENCHMARKS)})",
+              file=sys.stderr)
+        raise SystemExit(2)
+    module = importlib.import_module(BENCHMARKS[name][0])
+    rest = argv[1:] if explicit else argv
+    return run_benchmark(module, name, rest, [*PROG.split(), *argv])

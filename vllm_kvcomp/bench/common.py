@@ -1,0 +1,62 @@
+"""What every benchmark shares: the ``--out`` report file and its parser.
+
+Each benchmark module exposes ``add_arguments(parser)`` and ``run(args)``; ``run`` prints its
+table and writes it with :func:`write_report` to ``args.out`` (default
+``docs/results/bench_<name>.md``), under the exact command line (``args.command``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import shlex
+import sys
+from pathlib import Path
+from types import ModuleType
+
+RESULTS_DIR = Path("docs/results")
+
+
+def default_out(name: str) -> Path:
+    """Where benchmark ``name`` writes its table unless ``--out`` says otherwise."""
+    return RESULTS_DIR / f"bench_{name}.md"
+
+
+def build_parser(module: ModuleType, name: str, prog: str) -> argparse.ArgumentParser:
+    """The benchmark's own flags plus ``--out``."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=(module.__doc__ or name).strip().splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    module.add_arguments(parser)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=default_out(name),
+        help="markdown file for the result table (default: %(default)s, relative to the cwd)",
+    )
+    return parser
+
+
+def run_benchmark(module: ModuleType, name: str, argv: list[str], command: list[str]) -> int:
+    """Parse ``argv`` for benchmark ``name`` and run it; ``command`` is the line as typed."""
+    parser = build_parser(module, name, " ".join(command[: len(command) - len(argv)]))
+    args = parser.parse_args(argv)
+    args.command = shlex.join(command)
+    return int(module.run(args) or 0)
+
+
+def module_main(module: ModuleType, name: str, argv: list[str] | None) -> int:
+    """``python -m vllm_kvcomp.bench.<name> ARGS``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return run_benchmark(module, name, argv, ["python", "-m", f"vllm_kvcomp.bench.{name}", *argv])
+
+
+def write_report(path: Path, command: str, body: str) -> Path:
+    """Write ``body`` (markdown) under a heading holding the command line; print and return the path."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    path.write_text(f"# `{command}`\n\nWritten {stamp}.\n\n{body.rstrip()}\n")
+    print(f"wrote {path}")
+    return path

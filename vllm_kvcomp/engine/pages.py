@@ -1,0 +1,159 @@
+"""Packed per-head pages: where each (layer, KV head) of a compressed request keeps its tokens.
+
+A **page** is ``block_size`` token cells of one (layer, KV head) inside one physical vLLM block.
+vLLM allocates all layers' caches as views of one buffer, so the buffer seen as pages has
+``L * num_blocks * H`` of them (:class:`PageGeometry` numbers them); a block holds ``L * H``
+pages. vLLM writes a new token of logical position ``t`` into page (l, ``block_ids[t // bs]``, h)
+at offset ``t % bs`` for every layer and head, as always.
+
+Each (layer, head) of a request reads a **virtual sequence** (:class:`RequestPages`): its
+``m[l, h]`` *packed* pages (full, anywhere in the request's blocks, any layer's cells), then the
+*tail*: its own page of every block from column ``tail_col`` on. Compression at logical length
+``end`` (``o = end % bs``, ``G = end // bs``) keeps ``k[l, h] = m * bs + o`` tokens per head (the
+policies round their selections up to that, see ``RequestState.page_quantum``): the first
+``m * bs`` kept tokens fill packed pages, the last ``o`` sit in cells ``[0, o)`` of the head's
+own page of block ``G`` (exactly where vLLM's next tokens continue, at offset ``o``), and
+``tail_col`` becomes ``G``. Virtual order is ascending logical position.
+
+Packed pages go into the request's *last* blocks below ``G``: ``K = ceil(sum m / (L * H))``
+blocks, columns ``[G - K, G)``; columns before ``G - K`` hold nothing live and go back to vLLM.
+Since every head's live length is ``≡ end (mod bs)``, a recompression never needs more columns
+than the previous one left (``G - K`` never decreases). A request therefore holds
+``ceil(sum_lh m / (L * H))`` blocks plus its tail, which grows by one block every ``bs`` decode
+steps, exactly as vLLM's own accounting expects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_kvcomp.policies.base import ceil_div
+
+NO_PAGE = 0  # table padding: a valid page id, never read past a sequence's length
+
+
+@dataclass(frozen=True)
+class PageGeometry:
+    """Page numbering of one KV-cache group: page (l, b, h) = ``first_page[l] + b * H + h``."""
+
+    num_layers: int
+    num_kv_heads: int
+    block_size: int
+    first_page: torch.Tensor  # [L] int64
+
+    @property
+    def pages_per_block(self) -> int:
+        return self.num_layers * self.num_kv_heads
+
+    def page_ids(self, blocks: torch.Tensor) -> torch.Tensor:
+        """[L, H, n] page ids of physical ``blocks`` [n] for every layer and head."""
+        blocks = torch.as_tensor(blocks, dtype=torch.long)
+        heads = torch.arange(self.num_kv_heads)
+        return self.first_page.view(-1, 1, 1) + blocks.view(1, 1, -1) * self.num_kv_heads + heads.view(1, -1, 1)
+
+
+@dataclass
+class Move:
+    """Cells to copy: source (page, offset) -> destination (page, offset), all [n] int64.
+
+    Sources may be overwritten by other destinations: read every source before writing.
+    """
+
+    src_pages: torch.Tensor
+    src_offsets: torch.Tensor
+    dst_pages: torch.Tensor
+    dst_offsets: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.src_pages.numel())
+
+
+@dataclass
+class RequestPages:
+    """One request's virtual sequences (see the module docstring). Before the first compression
+    nothing is packed and the tail starts at column 0: the natural layout."""
+
+    geometry: PageGeometry
+    packed: torch.Tensor = field(default=None)  # [L, H, M] int64 page ids, NO_PAGE past counts
+    counts: torch.Tensor = field(default=None)  # [L, H] int64 packed pages per head
+    kept_positions: list[list[torch.Tensor]] | None = None  # [L][H] logical positions of kept tokens
+    tail_col: int = 0
+    first_live_col: int = 0  # columns before it were freed
+
+    def __post_init__(self) -> None:
+        g = self.geometry
+        if self.packed is None:
+            self.packed = torch.zeros(g.num_layers, g.num_kv_heads, 0, dtype=torch.long)
+            self.counts = torch.zeros(g.num_layers, g.num_kv_heads, dtype=torch.long)
+
+    @property
+    def compressed(self) -> bool:
+        return self.kept_positions is not None
+
+    def lengths(self, seq_len: int) -> torch.Tensor:
+        """[L, H] int64 virtual length of every head when the request holds ``seq_len`` tokens."""
+        return self.counts * self.geometry.block_size + (seq_len - self.tail_col * self.geometry.block_size)
+
+    def tables(self, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """[L, H, W] int64 page table of every head's virtual sequence (``block_ids`` [n] positional)."""
+        bs = self.geometry.block_size
+        tail_blocks = torch.as_tensor(block_ids, dtype=torch.long)[self.tail_col : ceil_div(seq_len, bs)]
+        tail = self.geometry.page_ids(tail_blocks)  # [L, H, n_tail]
+        width = self.packed.shape[2] + tail.shape[2]
+        table = torch.full((*self.counts.shape, width), NO_PAGE, dtype=torch.long)
+        table[..., : self.packed.shape[2]] = self.packed
+        columns = self.counts.unsqueeze(-1) + torch.arange(tail.shape[2])
+        return table.scatter_(2, columns, tail)
+
+    def positions(self, layer: int, head: int, length: int) -> torch.Tensor:
+        """[length] logical positions of head ``head``'s virtual sequence, ascending."""
+        if self.kept_positions is None:
+            return torch.arange(length)
+        kept = self.kept_positions[layer][head]
+        m = int(self.counts[layer, head]) * self.geometry.block_size
+        start = self.tail_col * self.geometry.block_size + (kept.numel() - m)
+        return torch.cat([kept, torch.arange(start, start + length - kept.numel())])
+
+    def compact(
+        self, kept: list[list[torch.Tensor]], block_ids: torch.Tensor, end: int
+    ) -> tuple[Move, RequestPages]:
+        """The cell moves and new page state after keeping virtual indices ``kept[l][h]``
+        (sorted; each count ``≡ end (mod bs)`` or the whole head) at logical length ``end``.
+
+        Raises ValueError if the kept pages do not fit the request's live blocks (a bug: the
+        engine then leaves the request uncompressed).
+        """
+        g, bs = self.geometry, self.geometry.block_size
+        block_ids = torch.as_tensor(block_ids, dtype=torch.long)
+        residue, growth = end % bs, end // bs
+        counts = torch.tensor([[len(idx) for idx in layer] for layer in kept], dtype=torch.long)
+        if bool(((counts - residue) % bs != 0).any()):
+            raise ValueError(f"kept counts must be ≡ {residue} (mod {bs}), got {counts.tolist()}")
+        pages = (counts - residue) // bs  # [L, H]
+        first = growth - ceil_div(int(pages.sum()), g.pages_per_block)
+        if first < self.first_live_col:
+            raise ValueError(f"{int(pages.sum())} pages do not fit columns [{self.first_live_col}, {growth})")
+        free = g.page_ids(block_ids[first:growth]).permute(2, 0, 1).reshape(-1)  # block-major
+        offsets = torch.cumsum(pages.flatten(), 0) - pages.flatten()
+        packed = torch.full((*pages.shape, int(pages.max()) if pages.numel() else 0), NO_PAGE, dtype=torch.long)
+        old_tables, lengths = self.tables(block_ids, end), self.lengths(end)
+        growth_pages = g.page_ids(block_ids[growth : growth + 1]) if residue else None
+        moves, positions = [], []
+        for layer, heads in enumerate(kept):
+            positions.append([])
+            for head, idx in enumerate(heads):
+                m = int(pages[layer, head])
+                start = int(offsets[layer * g.num_kv_heads + head])
+                packed[layer, head, :m] = free[start : start + m]
+                own = packed[layer, head, :m] if growth_pages is None else torch.cat(
+                    [packed[layer, head, :m], growth_pages[layer, head]])
+                idx = torch.as_tensor(idx, dtype=torch.long)
+                dst = torch.arange(idx.numel())
+                moves.append((old_tables[layer, head, idx // bs], idx % bs, own[dst // bs], dst % bs))
+                positions[layer].append(self.positions(layer, head, int(lengths[layer, head]))[idx])
+        move = Move(*(torch.cat([m[i] for m in moves]) for i in range(4)))
+        moved = (move.src_pages != move.dst_pages) | (move.src_offsets != move.dst_offsets)
+        move = Move(move.src_pages[moved], move.src_offsets[moved], move.dst_pages[moved], move.dst_offsets[moved])
+        return move, RequestPages(g, packed, pages, positions, tail_col=growth, first_live_col=first)

@@ -1,0 +1,99 @@
+"""The one plain-PyTorch paged decode attention: the CPU path of ``vllm_kvcomp.kernels`` and the
+reference the Triton and CUDA kernels are tested against.
+
+It gathers every request's cells through the block table, masks each KV head to its right-aligned
+suffix ``[start[b, h], N_b)`` and runs the policy-side math of
+:mod:`vllm_kvcomp.policies.compensation` (``attention_with_lse``, then RazorAttention's eq. 5
+token via ``compensation_lse`` and ``merge_partials``), so kernels, engine and policies share one
+formula. Batch and KV heads are folded into one head axis and the G query heads of a KV head
+into the token axis, so GQA never repeats keys.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_kvcomp.policies.compensation import attention_with_lse, compensation_lse, merge_partials
+
+Compensation = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def head_starts(
+    start: torch.Tensor | int | None, batch: int, heads: int, device: torch.device
+) -> torch.Tensor:
+    """Per-head starts [B, H_kv] int32 from None/an int (all heads), [B] or [B, H_kv].
+
+    None, an int and [B] give a broadcast (stride-0) view; no copy is made.
+    """
+    if start is None or isinstance(start, int):
+        return torch.full((1, 1), start or 0, dtype=torch.int32, device=device).expand(batch, heads)
+    start = start if start.dtype == torch.int32 else start.to(torch.int32)
+    return start.unsqueeze(1).expand(batch, heads) if start.dim() == 1 else start
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 inputs compute in float64 (an exact reference), everything else in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def gather_heads(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, starts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys, values [N_max, B·H_kv, D] of every request padded to N_max, and visible [B·H_kv, N_max].
+
+    Cell (b, h, i) is visible when ``start[b, h] <= i < N_b``. Invisible cells are zeroed: stale or
+    unowned slots may hold anything (NaN included) and a zero attention weight times NaN is NaN.
+    """
+    batch, heads = starts.shape
+    d = kv_cache.shape[3] // 2
+    n_max = int(seq_lens.max()) if batch else 0
+    slots = torch.arange(n_max, device=kv_cache.device)
+    live = slots < seq_lens.to(kv_cache.device).long().unsqueeze(1)  # [B, N]
+    safe = torch.where(live, slots, 0)  # past N_b read slot 0 of the request: owned, then masked
+    bs = kv_cache.shape[1]
+    blocks = block_table.to(kv_cache.device).long().gather(1, safe // bs)
+    cells = kv_cache[blocks, safe % bs]  # [B, N, H_kv, 2D]
+    visible = live.unsqueeze(1) & (slots >= starts.to(kv_cache.device).long().unsqueeze(2))
+    cells = torch.where(visible.transpose(1, 2).unsqueeze(-1), cells, 0.0)
+    cells = cells.permute(1, 0, 2, 3).reshape(n_max, batch * heads, 2 * d)
+    return cells[..., :d], cells[..., d:], visible.reshape(batch * heads, n_max)
+
+
+def decode_reference(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor | int | None = None,
+    compensation: Compensation | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention of q [B, H_q, D] over each KV head's slots ``[start[b, h], N_b)``.
+
+    kv_cache [num_blocks, block_size, H_kv, 2D] (K in ``[0, D)``, V in ``[D, 2D)``, any strides),
+    block_table [B, max_blocks], seq_lens [B], start None/int/[B]/[B, H_kv]; query head i reads
+    KV head i // (H_q / H_kv). ``compensation = (k_hat [B, H_kv, D], v_hat [B, H_kv, D],
+    counts [B, H_kv])`` adds a token of weight N_d·exp(scale·q·k̂) and value v̂ (counts 0 = off).
+    Computes in float32 (float64 when q is float64). Returns out [B, H_q, D] in q's dtype and
+    lse [B, H_q] (natural log, -inf when nothing is attended; float32, float64 for float64 q).
+    """
+    batch, hq, d = q.shape
+    hk = kv_cache.shape[2]
+    if hq % hk:
+        raise ValueError(f"{hq} query heads do not group over {hk} KV heads")
+    group = hq // hk
+    scale = d**-0.5 if scale is None else scale
+    acc = accumulation_dtype(q.dtype)
+    starts = head_starts(start, batch, hk, q.device)
+    keys, values, visible = gather_heads(kv_cache, block_table, seq_lens, starts)
+    # tokens = the G query heads of a KV head; heads = (request, KV head) pairs
+    qg = q.to(acc).reshape(batch * hk, group, d).transpose(0, 1)  # [G, B·H_kv, D]
+    mask = visible.unsqueeze(1).expand(-1, group, -1)  # [B·H_kv, G, N]
+    out, lse = attention_with_lse(qg, keys.to(acc), values.to(acc), scale, mask)
+    if compensation is not None:
+        k_hat, v_hat, counts = (t.to(device=q.device, dtype=acc) for t in compensation)
+        c_lse = compensation_lse(qg, k_hat.reshape(batch * hk, d), counts.reshape(-1), scale)
+        c_out = v_hat.reshape(1, batch * hk, d).expand(group, -1, -1)
+        out, lse = merge_partials(out, lse, c_out, c_lse)
+    out = out.transpose(0, 1).reshape(batch, hq, d).to(q.dtype)
+    return out, lse.transpose(0, 1).reshape(batch, hq)

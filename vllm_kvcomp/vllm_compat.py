@@ -1,0 +1,267 @@
+"""Every use of a private or unstable vLLM name, in one place, with its ledger.
+
+vllm-kvcomp edits no vLLM file. What it needs beyond vLLM's documented plugin surface (the
+``vllm.general_plugins`` entry point, ``LLM``/``SamplingParams``, the server's ``--middleware``)
+is reached only through this module: classes it subclasses or reads are re-exported lazily
+(``from vllm_kvcomp.vllm_compat import KVConnectorBase_V1``), attribute pokes are functions
+here. :data:`LEDGER` says for each name why we need it, the vLLM versions it was checked on and
+what breaks if it moves; ``tests/test_architecture.py`` resolves every entry against the
+installed vLLM, so an upgrade that renames one fails in that one test.
+
+Nothing in this module imports vLLM at import time.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+CHECKED = "0.32.0"  # vLLM versions every entry was checked on (CPU build; CUDA modules by import)
+
+
+@dataclass(frozen=True)
+class Use:
+    """One ledgered name: ``symbol`` is ``module:attr.path`` (``module`` alone for a module)."""
+
+    symbol: str
+    why: str
+    breaks: str
+    checked: str = CHECKED
+
+    def resolve(self) -> Any:
+        module, _, path = self.symbol.partition(":")
+        obj = importlib.import_module(module)
+        for part in filter(None, path.split(".")):
+            obj = getattr(obj, part)
+        return obj
+
+    def check(self) -> str | None:
+        """None if the name exists on the installed vLLM, else why not."""
+        try:
+            self.resolve()
+        except (ImportError, AttributeError) as err:
+            return f"{type(err).__name__}: {err}"
+        return None
+
+
+_KV = "vllm.distributed.kv_transfer.kv_connector"
+LEDGER: tuple[Use, ...] = (
+    # ---------------------------------------------------------------- KV connector interface
+    Use(f"{_KV}.v1.base:KVConnectorBase_V1", "the connector's base class (scheduler + worker hooks)",
+        "the engine cannot enable compression at all"),
+    Use(f"{_KV}.v1.base:KVConnectorMetadata", "per-step scheduler -> worker message base",
+        "no step metadata reaches the worker"),
+    Use(f"{_KV}.v1.base:KVConnectorWorkerMetadata", "worker -> scheduler report base (aggregated over ranks)",
+        "blocks are never freed (no confirmation)"),
+    Use(f"{_KV}.v1.base:KVConnectorRole", "which half of the connector vLLM builds", "connector construction"),
+    Use(f"{_KV}.v1.base:SupportsHMA", "declares hybrid-allocator support (else vLLM disables it)",
+        "hybrid models lose vLLM's hybrid KV-cache manager"),
+    Use(f"{_KV}.v1.metrics:KVConnectorStats", "scheduler stats carried to the API server's Prometheus logger",
+        "no vllm:kvcomp_* series"),
+    Use(f"{_KV}.v1.metrics:KVConnectorPromMetrics", "base of the vllm:kvcomp_* Prometheus series",
+        "no vllm:kvcomp_* series"),
+    Use(f"{_KV}.factory:KVConnectorFactory._registry", "make registration idempotent (register_connector "
+        "raises on a second call in the same process)", "registering twice raises at start-up"),
+    Use("vllm.distributed.kv_transfer:get_kv_transfer_group", "the worker's connector from inside a backend",
+        "compressed rows are attended over their stale full context"),
+    Use("vllm.distributed.kv_transfer:has_kv_transfer_group", "same", "same"),
+    # ---------------------------------------------------------------- attention backends
+    Use("vllm.v1.attention.backends.registry:register_backend", "put our backend subclasses under vLLM's names",
+        "our per-step hook never runs"),
+    Use("vllm.v1.attention.backends.registry:AttentionBackendEnum", "names of the overridden backends", "same"),
+    Use("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend", "parent of the CPU backend subclass", "CPU path"),
+    Use("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl", "parent of the CPU impl", "CPU path"),
+    Use("vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadata", "trimmed copies of the CPU metadata",
+        "CPU path"),
+    Use("vllm._custom_ops:cpu_attn_get_scheduler_metadata", "rebuild the CPU kernel's schedule for trimmed rows",
+        "CPU decode of compressed rows"),
+    Use("vllm._custom_ops:cpu_attention_with_kv_cache", "vLLM's CPU paged attention kernel, called on the "
+        "packed per-head pages (one sequence per (request, KV head))", "CPU decode of compressed rows"),
+    Use("vllm.envs:VLLM_CPU_ATTN_SPLIT_KV", "same schedule flags as vLLM's own builder", "CPU schedule"),
+    Use("vllm.v1.attention.backends.flash_attn:FlashAttentionBackend", "parent of the CUDA FA subclass", "GPU path"),
+    Use("vllm.v1.attention.backends.flash_attn:FlashAttentionImpl", "parent of the CUDA FA impl", "GPU path"),
+    Use("vllm.v1.attention.backends.flash_attn:FlashAttentionMetadata", "trimmed copies of FA metadata",
+        "GPU path"),
+    Use("vllm.v1.attention.backends.triton_attn:TritonAttentionBackend", "parent of the CUDA Triton subclass",
+        "GPU path"),
+    Use("vllm.v1.attention.backends.triton_attn:TritonAttentionImpl", "parent of the CUDA Triton impl",
+        "GPU path"),
+    Use("vllm.v1.attention.backends.triton_attn:TritonAttentionMetadata", "trimmed copies of Triton metadata",
+        "GPU path"),
+    # ---------------------------------------------------------------- engine internals we read or poke
+    Use("vllm.config:get_layers_from_vllm_config", "the attention layers behind registered caches",
+        "engine checks at start-up"),
+    Use("vllm.model_executor.layers.attention:Attention", "same", "same"),
+    Use("vllm.model_executor.models.utils:extract_layer_index", "layer order of the registered caches",
+        "per-layer state is mis-ordered"),
+    Use("vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager._remove_blocks_in_range",
+        "free blocks of a running request, as the sliding-window managers do; no public API frees part "
+        "of a request", "compressed requests keep all their blocks (no memory saved)"),
+    Use("vllm.v1.core.kv_cache_manager:KVCacheManager.get_block_ids", "a request's positional block ids",
+        "the worker cannot locate a request's pages"),
+    Use("vllm.v1.request:Request.update_block_hashes", "re-hash a request after salting it out of the "
+        "prefix cache (its blocks are rewritten in place)", "compressed blocks could be served as cache hits"),
+    Use("vllm.v1.request:Request.get_skip_reading_prefix_cache", "the attribute we override for compressed "
+        "requests is set from it", "compressed requests read the prefix cache"),
+    Use("vllm.v1.attention.backends.cpu_attn:_get_attn_isa", "the CPU cache's in-block layout (the builder "
+        "stores it on each layer as ``layer.isa``)", "CPU reads/writes of kept tokens use the wrong layout"),
+    # ---------------------------------------------------------------- API server
+    Use("vllm.entrypoints.launchers.cli_args:make_arg_parser", "`vllm-kvcomp serve` parses exactly like "
+        "`vllm serve`", "the serve CLI"),
+    Use("vllm.entrypoints.launchers.cli_args:validate_parsed_serve_args", "same", "same"),
+    Use("vllm.utils.argparse_utils:FlexibleArgumentParser", "same", "same"),
+    Use("vllm.entrypoints.cli.serve:ServeSubcommand.cmd", "run vLLM's server in-process", "the serve CLI"),
+    Use("vllm.entrypoints.serve.utils.api_utils:cli_env_setup", "same environment set-up as `vllm serve`",
+        "the serve CLI"),
+    Use("vllm.logger:configure_logging_from_args", "same logging set-up as `vllm serve`", "the serve CLI"),
+    Use("vllm.engine.protocol:EngineClient.generate", "PATCH: wrapped per API-server instance (ResultTap): "
+        "vLLM drops kv_transfer_params from streamed responses and from every prompt after the first of a "
+        "completion batch; remove when streams carry them", "usage.kv_compression is missing in streams"),
+)
+
+#: names importable from this module (``from vllm_kvcomp.vllm_compat import X``), resolved on first use
+LAZY: dict[str, str] = {
+    use.symbol.rpartition(":")[2]: use.symbol
+    for use in LEDGER
+    if use.symbol.rpartition(":")[2][:1].isupper() and "." not in use.symbol.rpartition(":")[2]
+}
+
+
+def __getattr__(name: str) -> Any:
+    symbol = LAZY.get(name)
+    if symbol is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = Use(symbol, "", "").resolve()
+    globals()[name] = value
+    return value
+
+
+# ---------------------------------------------------------------------------- registration
+
+
+def register_connector_once(name: str, module: str, class_name: str) -> None:
+    """Register our KV connector unless this process already did."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if name not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(name, module, class_name)
+
+
+def register_attention_backend(vllm_name: str, class_path: str) -> None:
+    """Serve ``class_path`` wherever vLLM selects its backend ``vllm_name`` (e.g. ``CPU_ATTN``)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum[vllm_name], class_path)
+
+
+def platform_kind() -> str | None:
+    """``"cpu"``, ``"cuda"`` or None (any other platform) for this process's vLLM platform."""
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else "cuda" if current_platform.is_cuda() else None
+
+
+def active_connector() -> Any:
+    """This process's KV connector, or None when KV transfer is off."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    return get_kv_transfer_group() if has_kv_transfer_group() else None
+
+
+# ---------------------------------------------------------------------------- worker side
+
+
+def attention_layers(vllm_config: Any, names: list[str]) -> dict[str, Any]:
+    """Layer name -> vLLM ``Attention`` module for the given cache names."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    return get_layers_from_vllm_config(vllm_config, Attention, names)
+
+
+def layer_index(layer_name: str) -> int:
+    """The model layer a cache name belongs to (``model.layers.7.self_attn.attn`` -> 7)."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return extract_layer_index(layer_name)
+
+
+def cpu_attention_isa(layer: Any) -> str:
+    """The CPU cache layout vLLM's metadata builder chose for ``layer`` (``vec``, ``amx``, ...)."""
+    return getattr(layer, "isa", "vec")
+
+
+def cpu_attention_schedule(**kwargs: Any) -> Any:
+    """vLLM's CPU attention schedule for new lengths, with the flags its own builder uses."""
+    from vllm import _custom_ops, envs
+
+    return _custom_ops.cpu_attn_get_scheduler_metadata(enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, **kwargs)
+
+
+def cpu_paged_attention(**kwargs: Any) -> None:
+    """vLLM's CPU paged attention kernel (``cpu_attention_with_kv_cache``), writing ``output``."""
+    from vllm import _custom_ops
+
+    _custom_ops.cpu_attention_with_kv_cache(**kwargs)
+
+
+# ---------------------------------------------------------------------------- scheduler side
+
+
+def request_block_ids(kv_cache_manager: Any, req_id: str, group: int = 0) -> list[int]:
+    """Positional block ids of a request in KV-cache group ``group`` (freed columns = null block)."""
+    return list(kv_cache_manager.get_block_ids(req_id)[group])
+
+
+def holds_blocks(kv_cache_manager: Any, req_id: str, group: int = 0) -> bool:
+    """Whether the request still owns blocks (not finished or preempted meanwhile)."""
+    return req_id in kv_cache_manager.coordinator.single_type_managers[group].req_to_blocks
+
+
+def free_blocks(kv_cache_manager: Any, req_id: str, start: int, end: int, group: int = 0) -> None:
+    """Return block-table columns ``[start, end)`` of a running request to the pool (null block)."""
+    kv_cache_manager.coordinator.single_type_managers[group]._remove_blocks_in_range(req_id, start, end)
+
+
+def salt_out_of_prefix_cache(request: Any, salt: str) -> None:
+    """Give ``request`` a unique cache salt (re-hashing its blocks) and stop it reading the cache."""
+    request.cache_salt = salt
+    request.block_hashes = []
+    request.update_block_hashes()
+    request.skip_reading_prefix_cache = True
+
+
+# ---------------------------------------------------------------------------- API server
+
+
+def wrap_engine_generate(engine_client: Any, wrap: Callable[[Callable], Callable]) -> None:
+    """PATCH (see the ledger): replace this client's ``generate`` by ``wrap(generate)``."""
+    engine_client.generate = wrap(engine_client.generate)
+
+
+def serve_parser(prog: str, description: str) -> Any:
+    """vLLM's ``serve`` argument parser."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser(prog=prog, description=description))
+
+
+def run_server(args: Any) -> None:
+    """Run vLLM's OpenAI server in this process with parsed ``serve`` arguments (blocks)."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+    from vllm.logger import configure_logging_from_args
+
+    configure_logging_from_args(args)
+    validate_parsed_serve_args(args)
+    ServeSubcommand.cmd(args)
+
+
+def server_env_setup() -> None:
+    """The process set-up ``vllm serve`` does before parsing."""
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+
+    cli_env_setup()
