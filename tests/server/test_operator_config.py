@@ -120,6 +120,30 @@ def test_profile_methods_need_their_profile(policy):
     assert policy in cfg.usable_policies()
 
 
+def test_a_server_uses_the_profiles_found_for_its_model(tmp_path, monkeypatch):
+    """No operator YAML: the served model's profiles (its folder or the package store) enable
+    razor and pod; a model without them gets a 400 that names the command creating them."""
+    from vllm_kvcomp.calibration import profiles
+
+    monkeypatch.setattr(profiles, "STORE", tmp_path / "store")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2,
+                                                   "num_attention_heads": 4, "hidden_size": 64}))
+    bare = OperatorConfig.for_server(None, str(model))
+    with pytest.raises(SpecError) as err:
+        bare.resolve(spec("razor; ratio=0.25"))
+    assert f"vllm-kvcomp calibrate --model {model} --kind razor" in err.value.message
+    identity = profiles.ModelIdentity.from_model_dir(model)
+    profiles.save_profile(profiles.RetrievalHeadsProfile(model=identity, kv_heads=frozenset({(1, 0)})),
+                          path=profiles.store_dir(identity) / "razor.json")
+    served = OperatorConfig.for_server(None, str(model))
+    assert served.resolve(spec("razor; ratio=0.25")).policy == "razor"
+    assert "razor" in served.usable_policies() and "pod" not in served.usable_policies()
+    (tmp_path / "op.yaml").write_text("default: razor\n")  # a default needing the found profile is fine
+    assert OperatorConfig.for_server(tmp_path / "op.yaml", str(model)).resolve(None).policy == "razor"
+
+
 def test_only_razor_and_pod_need_profiles():
     assert [p for p in POLICY_NAMES if requires_profile(p)] == ["razor", "pod"]
 

@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "engine": ("vllm_kvcomp.bench.engine", "memory and throughput inside vLLM, full vs policies"),
     "kernels": ("vllm_kvcomp.bench.kernels", "decode-attention kernel bandwidth vs device copy"),
     "kept": ("vllm_kvcomp.bench.kept", "kept fraction of every policy after prefill (HF oracle)"),
+    "pages": ("vllm_kvcomp.bench.pages", "through the server: KV held, admission, decode speed vs full"),
 }
 DEFAULT = "engine"
 PROG = "vllm-kvcomp bench"

@@ -19,6 +19,7 @@ from vllm_kvcomp.calibration.profiles import (
     check_name,
     profile_path,
     save_profile,
+    store_dir,
 )
 
 
@@ -28,6 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kind", choices=("razor", "pod", "all"), default="all", help="which profile(s)")
     parser.add_argument("--name", default=DEFAULT_NAME, help="profile name (default: %(default)s)")
     parser.add_argument("--out", default=None, help=f"output folder (default: <model>/{PROFILE_DIRNAME})")
+    parser.add_argument("--store", action="store_true",
+                        help="write into the package's profile store (how the bundled model's profiles are made)")
     parser.add_argument("--seed", type=int, default=rh["seed"], help="random seed (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -58,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--name: {err}") from None
     model_dir = Path(args.model) if args.model else _default_model(progress=not args.quiet)
     identity = ModelIdentity.from_model_dir(model_dir)
+    if args.store:
+        args.out = str(store_dir(identity))
     model = load_hf_model(str(model_dir), threads=args.threads)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     progress = not args.quiet

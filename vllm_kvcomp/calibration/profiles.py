@@ -1,9 +1,11 @@
 """Calibration profiles: per-model JSON files that policies load by name.
 
 A profile lives in the model folder as ``<model>/kvcomp_profiles/<kind>.json`` (name
-``"default"``) or ``<kind>.<name>.json`` (any other name), or at an explicit path. Every file
-records the identity of the model it was measured on (architecture numbers + a hash of them) and
-is validated on load, so a profile can never be applied to a model of another shape.
+``"default"``) or ``<kind>.<name>.json`` (any other name), in the package's store
+(``calibration/store/<model_type>-<config_hash>/``: the bundled model's profiles ship there and
+are found for any copy of that model), or at an explicit path. Every file records the identity
+of the model it was measured on (architecture numbers + a hash of them) and is validated on
+load, so a profile can never be applied to a model of another shape.
 
 Kinds: ``"razor"`` (:class:`RetrievalHeadsProfile`, RazorAttention retrieval heads) and
 ``"pod"`` (:class:`LayerGroupsProfile`, POD layer groups).
@@ -22,6 +24,8 @@ from typing import Any, ClassVar
 FORMAT = "vllm-kvcomp-profile"
 VERSION = 1
 PROFILE_DIRNAME = "kvcomp_profiles"
+#: profiles shipped with the package (the bundled model's), one folder per model identity
+STORE = Path(__file__).resolve().parent / "store"
 DEFAULT_NAME = "default"
 KINDS = ("razor", "pod")
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
@@ -272,6 +276,35 @@ def profile_path(model_dir: str | Path, kind: str, name: str = DEFAULT_NAME) -> 
     return Path(model_dir) / PROFILE_DIRNAME / f"{stem}.json"
 
 
+def store_dir(model: ModelIdentity) -> Path:
+    """The package's profile store folder for a model (profiles shipped with vllm-kvcomp, found by
+    the model's architecture identity, so a copy of the model anywhere uses them)."""
+    return STORE / f"{model.model_type}-{model.config_hash}"
+
+
+def find_profile(kind: str, model_dir: str | Path, name: str = DEFAULT_NAME) -> Path | None:
+    """Where the ``kind`` profile ``name`` of the model in ``model_dir`` is: the model folder's
+    ``kvcomp_profiles/`` first, then the package store; None if neither has it."""
+    local = profile_path(model_dir, kind, name)
+    if local.is_file():
+        return local
+    try:
+        shipped = store_dir(ModelIdentity.from_model_dir(model_dir)) / local.name
+    except ProfileError:  # not a local HF folder (e.g. a hub name): only the folder can hold it
+        return None
+    return shipped if shipped.is_file() else None
+
+
+def available_profiles(model_dir: str | Path) -> dict[str, str]:
+    """Kind -> ``default`` for every kind whose default profile exists for this model."""
+    return {kind: DEFAULT_NAME for kind in KINDS if find_profile(kind, model_dir) is not None}
+
+
+def calibrate_command(model_dir: str | Path, kind: str, name: str = DEFAULT_NAME) -> str:
+    """The command that creates a missing profile."""
+    return f"vllm-kvcomp calibrate --model {model_dir} --kind {kind}" + ("" if name == DEFAULT_NAME else f" --name {name}")
+
+
 def to_json(profile: Profile) -> dict[str, Any]:
     profile.validate()
     return {
@@ -335,13 +368,11 @@ def load_profile(
     _check_kind(kind)
     if (model_dir is None) == (path is None):
         raise ValueError("give exactly one of model_dir or path")
-    target = Path(path) if path is not None else profile_path(model_dir, kind, name)
-    if not target.is_file():
-        hint = f" --model {model_dir}" if model_dir is not None else ""
-        raise ProfileError(
-            f"no {kind} profile {name!r} at {target}; create it with "
-            f"`vllm-kvcomp calibrate{hint} --kind {kind}" + ("" if name == DEFAULT_NAME else f" --name {name}") + "`"
-        )
+    target = Path(path) if path is not None else find_profile(kind, model_dir, name)
+    if target is None or not target.is_file():
+        where = path if path is not None else profile_path(model_dir, kind, name)
+        command = calibrate_command(model_dir, kind, name) if model_dir is not None else "vllm-kvcomp calibrate"
+        raise ProfileError(f"no {kind} profile {name!r} at {where}; create it with `{command}`")
     try:
         doc = json.loads(target.read_text())
     except (OSError, json.JSONDecodeError) as err:

@@ -76,14 +76,11 @@ def prepare(args: argparse.Namespace, vllm_defaults: dict[str, Any], on_cpu: boo
     for name in PLATFORM_FLAGS:
         if getattr(args, name) is None:
             setattr(args, name, defaults[name])
-    operator = None
     if args.kv_compression_config is not None:
-        path = Path(args.kv_compression_config).resolve()
-        operator = OperatorConfig.load(path)  # fail now, not on the first request
-        args.kv_compression_config = str(path)
+        args.kv_compression_config = str(Path(args.kv_compression_config).resolve())
+    operator = OperatorConfig.for_server(args.kv_compression_config, args.model)  # fail now, not on a request
     if args.kv_transfer_config is None:
-        profiles = dict(operator.profiles) if operator is not None else None
-        args.kv_transfer_config = KVTransferConfig(**kv_transfer_config(profiles))
+        args.kv_transfer_config = KVTransferConfig(**kv_transfer_config(dict(operator.profiles) or None))
     elif args.kv_transfer_config.kv_connector != CONNECTOR_NAME:
         raise ValueError(
             f"--kv-transfer-config: kv_connector is {args.kv_transfer_config.kv_connector!r}; "

@@ -74,8 +74,9 @@ class KVCompressionMiddleware:
             return
         state = getattr(scope.get("app"), "state", None)
         if self._config is None:
-            path = getattr(getattr(state, "args", None), "kv_compression_config", None)
-            self._config = OperatorConfig.load(path) if path else OperatorConfig.default()
+            args = getattr(state, "args", None)
+            self._config = OperatorConfig.for_server(getattr(args, "kv_compression_config", None),
+                                                     getattr(args, "model", None))
         client = getattr(state, "engine_client", None)
         if client is not None:
             self._tap = ResultTap.install(client)

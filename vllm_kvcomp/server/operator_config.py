@@ -35,7 +35,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from vllm_kvcomp.calibration.profiles import KINDS as PROFILE_KINDS
-from vllm_kvcomp.calibration.profiles import ProfileError, check_name
+from vllm_kvcomp.calibration.profiles import ProfileError, calibrate_command, check_name
 from vllm_kvcomp.params import Param, Scalar, SpecError
 from vllm_kvcomp.policies.registry import NO_COMPRESSION_WORDS, POLICY_NAMES
 from vllm_kvcomp.spec import CompressionSpec, parse_header
@@ -118,6 +118,7 @@ class OperatorConfig:
     policies: Mapping[str, Mapping[str, Scalar]] = field(default_factory=dict)
     profiles: Mapping[str, str] = field(default_factory=dict)
     source: str | None = None
+    model: str | None = None  # the served model folder, for "create the profile with ..." hints
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -126,7 +127,18 @@ class OperatorConfig:
         return cls.validate_mapping({})
 
     @classmethod
-    def load(cls, path: str | Path) -> OperatorConfig:
+    def for_server(cls, path: str | Path | None, model: str | None) -> OperatorConfig:
+        """The config a server of ``model`` runs: the file at ``path`` (or the defaults), with the
+        calibration profiles found for the model (its ``kvcomp_profiles/`` or the package store)
+        for every kind the file does not set."""
+        from vllm_kvcomp.calibration.profiles import available_profiles
+
+        found = available_profiles(model) if model and Path(model).is_dir() else {}
+        config = cls.load(path, found) if path else cls.validate_mapping({}, found_profiles=found)
+        return replace(config, model=model)
+
+    @classmethod
+    def load(cls, path: str | Path, found_profiles: Mapping[str, str] | None = None) -> OperatorConfig:
         """Read and validate a YAML file; ConfigError names the file and the bad key."""
         source = str(path)
         try:
@@ -137,18 +149,20 @@ class OperatorConfig:
             data = yaml.load(text, Loader=_UniqueKeyLoader)
         except yaml.YAMLError as err:
             raise ConfigError("", f"not valid YAML: {err}", source=source) from None
-        return cls.validate_mapping({} if data is None else data, source=source)
+        return cls.validate_mapping({} if data is None else data, source=source, found_profiles=found_profiles)
 
     @classmethod
-    def validate_mapping(cls, data: Any, *, source: str | None = None) -> OperatorConfig:
-        """Validate a parsed document (the path :meth:`load` and the Helm chart tests use)."""
+    def validate_mapping(cls, data: Any, *, source: str | None = None,
+                         found_profiles: Mapping[str, str] | None = None) -> OperatorConfig:
+        """Validate a parsed document (the path :meth:`load` and the Helm chart tests use);
+        ``found_profiles`` (kind -> name) apply where ``profiles`` does not say otherwise."""
         try:
-            return cls._validate(data, source)
+            return cls._validate(data, source, dict(found_profiles or {}))
         except ConfigError as err:
             raise ConfigError(err.path, err.message, err.allowed, source) from None
 
     @classmethod
-    def _validate(cls, data: Any, source: str | None) -> OperatorConfig:
+    def _validate(cls, data: Any, source: str | None, found_profiles: dict[str, str]) -> OperatorConfig:
         if not isinstance(data, Mapping):
             raise ConfigError("", f"expected a mapping, got {type(data).__name__}", ", ".join(_File.model_fields))
         try:
@@ -157,7 +171,7 @@ class OperatorConfig:
             raise _config_error(err) from None
         _check_bounds_order(raw.bounds)
         policies = {name: _policy_defaults(name, values) for name, values in raw.policies.items()}
-        profiles = {kind: _profile_ref(kind, ref, source) for kind, ref in raw.profiles.items()}
+        profiles = {**found_profiles, **{kind: _profile_ref(kind, ref, source) for kind, ref in raw.profiles.items()}}
         config = cls(
             default_spec=CompressionSpec(),
             allow=tuple(dict.fromkeys(raw.allow)),
@@ -215,9 +229,11 @@ class OperatorConfig:
             raise SpecError("policy", f"policy {policy!r} is not enabled on this server", ", ".join(self.usable_policies()))
         kind = requires_profile(policy)
         if kind is not None and kind not in self.profiles:
+            create = calibrate_command(self.model or "MODEL", kind)
             raise SpecError(
                 "policy",
-                f"policy {policy!r} needs a {kind!r} calibration profile and this server has none loaded",
+                f"policy {policy!r} needs a {kind!r} calibration profile and this server has none loaded "
+                f"(an operator creates it with `{create}` and restarts the server)",
                 ", ".join(self.usable_policies()),
             )
         asked = requested.extras.get("profile")

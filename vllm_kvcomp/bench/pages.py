@@ -1,0 +1,240 @@
+"""Packed per-head pages through the server: memory held, admission and decode speed vs full cache.
+
+Every number comes from a running ``vllm-kvcomp serve`` of the bundled model (or ``--model``),
+with full cache and every policy x ratio side by side in one run (2K-token random prompts,
+block size 32):
+
+- ``held``: a pool that fits everything; 4 concurrent streams per config. While all 4 decode,
+  ``/metrics`` is sampled: KV blocks held per request (``vllm:kv_cache_usage_perc`` x pool / 4,
+  vLLM's own gauge, the same for full and compressed) and the aggregate decode tokens/s (tokens
+  that arrived in that window / its length); ``usage.kv_compression.kept_fraction`` too. Full
+  cache runs first and last; the table uses their mean and shows both.
+- ``admit``: a fixed pool (``--admit-pool`` blocks); ``--admit-requests`` clients at once with
+  short outputs: the peak of ``vllm:num_requests_running``.
+- ``membound``: a pool of about two full-cache requests (``--membound-pool``), 8 clients at once,
+  long outputs: output tokens/s over the whole run, at ``--membound-ratio``.
+
+::
+
+    vllm-kvcomp bench pages                         # all three phases (about 2-3 hours on 2 cores)
+    vllm-kvcomp bench pages --phases held --ratios 0.25
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllm_kvcomp.bench.common import module_main, write_report
+from vllm_kvcomp.bench.serving import MetricsSampler, header_for, prompts, served, stream_completion
+
+#: (label, policy, extra header settings)
+CONFIGS: tuple[tuple[str, str, str], ...] = (
+    ("streamingllm", "streamingllm", ""),
+    ("snapkv", "snapkv", ""),
+    ("snapkv adaptive", "snapkv", "heads=adaptive"),
+    ("h2o", "h2o", ""),
+    ("h2o adaptive", "h2o", "heads=adaptive"),
+    ("knorm", "knorm", ""),
+    ("sagekv", "sagekv", ""),
+    ("lagkv", "lagkv", ""),
+    ("entropy", "entropy", ""),
+    ("razor", "razor", ""),
+    ("pod", "pod", ""),
+)
+USAGE = "vllm:kv_cache_usage_perc"
+RUNNING = "vllm:num_requests_running"
+MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class Held:
+    blocks: float  # KV blocks held per request while all streams decode
+    decode_tps: float  # aggregate decode tokens/s over that window
+    kept_fraction: float
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model folder (default: the bundled SmolLM2)")
+    parser.add_argument("--served-name", default=MODEL_NAME)
+    parser.add_argument("--phases", default="held,admit,membound", help="comma list of held, admit, membound")
+    parser.add_argument("--policies", default=",".join(c[0] for c in CONFIGS), help="config labels to run")
+    parser.add_argument("--ratios", default="0.5,0.25,0.125")
+    parser.add_argument("--prompt-len", type=int, default=2048)
+    parser.add_argument("--decode-tokens", type=int, default=96, help="held: output tokens per stream")
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--admit-pool", type=int, default=16 * 66, help="admit: KV blocks (16 full requests)")
+    parser.add_argument("--admit-requests", type=int, default=64)
+    parser.add_argument("--admit-ratios", default="0.25", help="admit: ratios to run (each costs ~4 min)")
+    parser.add_argument("--membound-pool", type=int, default=2 * 72, help="membound: KV blocks (~2 full)")
+    parser.add_argument("--membound-clients", type=int, default=8)
+    parser.add_argument("--membound-tokens", type=int, default=256)
+    parser.add_argument("--membound-ratio", type=float, default=0.25)
+    parser.add_argument("--logs", type=Path, default=Path("bench-logs"), help="server logs folder")
+
+
+def _configs(args: argparse.Namespace) -> list[tuple[str, str, str, float]]:
+    wanted = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = set(wanted) - {c[0] for c in CONFIGS}
+    if unknown:
+        raise SystemExit(f"--policies: unknown {sorted(unknown)} (choose from {', '.join(c[0] for c in CONFIGS)})")
+    ratios = [float(r) for r in args.ratios.split(",")]
+    return [(label, policy, extra, ratio) for ratio in ratios for label, policy, extra in CONFIGS if label in wanted]
+
+
+async def _streams(url: str, args, header: str | None, count: int, tokens: int, seed: int, sampler=None):
+    import httpx
+
+    async with httpx.AsyncClient(timeout=None) as client:
+        jobs = [stream_completion(client, url, args.served_name, p, tokens, header)
+                for p in prompts(count, args.prompt_len, seed)]
+        return await asyncio.gather(*jobs)
+
+
+async def _held_one(url: str, args, header: str | None, seed: int) -> Held:
+    async with MetricsSampler(url, (USAGE,)) as sampler:
+        streams = await _streams(url, args, header, args.streams, args.decode_tokens, seed)
+    start, end = max(s.first for s in streams), min(s.last for s in streams)
+    tokens = sum(1 for s in streams for t in s.token_times if start < t <= end)
+    usage = sampler.values(USAGE, start, end)
+    fractions = [s.usage.get("kv_compression", {}).get("kept_fraction", 1.0) for s in streams if s.usage]
+    return Held(
+        blocks=statistics.median(usage) * args.pool_held / len(streams) if usage else float("nan"),
+        decode_tps=tokens / (end - start) if end > start else float("nan"),
+        kept_fraction=statistics.mean(fractions) if fractions else float("nan"),
+    )
+
+
+def _phase_held(args, configs) -> dict:
+    args.pool_held = args.streams * (args.prompt_len + args.decode_tokens) // 32 + 64
+    out: dict = {}
+    with served(args.model, args.pool_held, 16, args.prompt_len + 512, args.logs / "held.log") as url:
+        asyncio.run(_held_one(url, args, None, seed=1))  # warm-up
+        out["full"] = [asyncio.run(_held_one(url, args, None, seed=2))]
+        for i, (label, policy, extra, ratio) in enumerate(configs):
+            out[(label, ratio)] = asyncio.run(_held_one(url, args, header_for(policy, ratio, extra), seed=10 + i))
+            print(f"held  {label:16s} {ratio:<6g} {out[(label, ratio)]}", flush=True)
+        out["full"].append(asyncio.run(_held_one(url, args, None, seed=2)))
+    return out
+
+
+async def _peak_running(url: str, args, header: str | None, seed: int) -> int:
+    async with MetricsSampler(url, (RUNNING,), period=0.5) as sampler:
+        await _streams(url, args, header, args.admit_requests, 8, seed)
+    return int(max(sampler.values(RUNNING), default=0))
+
+
+def _phase_admit(args, configs) -> dict:
+    ratios = {float(r) for r in args.admit_ratios.split(",")}
+    configs = [c for c in configs if c[3] in ratios]
+    out: dict = {}
+    with served(args.model, args.admit_pool, args.admit_requests, args.prompt_len + 64, args.logs / "admit.log") as url:
+        out["full"] = asyncio.run(_peak_running(url, args, None, seed=3))
+        for i, (label, policy, extra, ratio) in enumerate(configs):
+            out[(label, ratio)] = asyncio.run(_peak_running(url, args, header_for(policy, ratio, extra), seed=20 + i))
+            print(f"admit {label:16s} {ratio:<6g} {out[(label, ratio)]} running (full {out['full']})", flush=True)
+    return out
+
+
+async def _throughput(url: str, args, header: str | None, seed: int) -> float:
+    started = time.perf_counter()
+    streams = await _streams(url, args, header, args.membound_clients, args.membound_tokens, seed)
+    return sum(len(s.token_times) for s in streams) / (time.perf_counter() - started)
+
+
+def _phase_membound(args, configs) -> dict:
+    out: dict = {}
+    max_len = args.prompt_len + args.membound_tokens + 32
+    labels = [c for c in configs if c[3] == configs[0][3]]
+    with served(args.model, args.membound_pool, args.membound_clients, max_len, args.logs / "membound.log") as url:
+        out["full"] = [asyncio.run(_throughput(url, args, None, seed=4))]
+        for i, (label, policy, extra, _) in enumerate(labels):
+            header = header_for(policy, args.membound_ratio, extra)
+            out[label] = asyncio.run(_throughput(url, args, header, seed=30 + i))
+            print(f"membound {label:16s} {out[label]:.1f} tok/s (full {out['full'][0]:.1f})", flush=True)
+        out["full"].append(asyncio.run(_throughput(url, args, None, seed=4)))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    configs = _configs(args)
+    phases = {p.strip() for p in args.phases.split(",")}
+    results = {
+        "held": _phase_held(args, configs) if "held" in phases else None,
+        "admit": _phase_admit(args, configs) if "admit" in phases else None,
+        "membound": _phase_membound(args, configs) if "membound" in phases else None,
+    }
+    body = _report(args, configs, results)
+    print(body)
+    write_report(args.out, args.command, body)
+    return 0
+
+
+def _report(args, configs, results) -> str:
+    held, admit, membound = results["held"], results["admit"], results["membound"]
+    lines = ["Bundled SmolLM2-135M (fp32, vLLM CPU, 2 cores), block size 32, "
+             f"{args.prompt_len}-token random prompts, through `vllm-kvcomp serve`.", ""]
+    if held or admit:
+        lines += [_held_header(held, admit), "|" + "---|" * _columns(held, admit)]
+        full_held = _mean_held(held["full"]) if held else None
+        lines.append(_row("full", "-", full_held, full_held, admit and admit["full"], admit and admit["full"]))
+        for label, _, _, ratio in configs:
+            lines.append(_row(label, f"{ratio:g}", held and held[(label, ratio)], full_held,
+                              admit and admit.get((label, ratio)), admit and admit["full"]))
+        if held:
+            a, b = held["full"]
+            lines += ["", f"Full cache ran first and last: {a.decode_tps:.1f} and {b.decode_tps:.1f} decode tok/s, "
+                      f"{a.blocks:.1f} and {b.blocks:.1f} blocks per request (the table uses their mean).",
+                      f"held: {args.streams} streams x {args.decode_tokens} output tokens, pool {args.pool_held} blocks."]
+        if admit:
+            lines.append(f"admit: pool {args.admit_pool} blocks, {args.admit_requests} clients at once, 8 output "
+                         "tokens each; peak running requests.")
+    if membound:
+        full = statistics.mean(membound["full"])
+        lines += ["", f"Memory-bound pool ({args.membound_pool} blocks, {args.membound_clients} clients, "
+                  f"{args.membound_tokens} output tokens), ratio {args.membound_ratio:g}: output tokens/s", "",
+                  "| policy | tok/s | vs full |", "|---|---|---|",
+                  f"| full | {full:.1f} (runs: {', '.join(f'{x:.1f}' for x in membound['full'])}) | 1.00x |"]
+        lines += [f"| {k} | {v:.1f} | {v / full:.2f}x |" for k, v in membound.items() if k != "full"]
+    return "\n".join(lines)
+
+
+def _columns(held, admit) -> int:
+    return 2 + (5 if held else 0) + (2 if admit else 0)
+
+
+def _held_header(held, admit) -> str:
+    cols = ["policy", "ratio"]
+    if held:
+        cols += ["KV blocks / request (decode)", "vs full", "kept_fraction", "decode tok/s (4 streams)", "vs full"]
+    if admit:
+        cols += ["max running (fixed pool)", "vs full"]
+    return "| " + " | ".join(cols) + " |"
+
+
+def _mean_held(runs: list[Held]) -> Held:
+    return Held(*(statistics.mean(getattr(r, f) for r in runs) for f in ("blocks", "decode_tps", "kept_fraction")))
+
+
+def _row(label, ratio, held, full_held, running, full_running) -> str:
+    cells = [label, ratio]
+    if held is not None:
+        cells += [f"{held.blocks:.1f}", f"{held.blocks / full_held.blocks:.2f}x", f"{held.kept_fraction:.3f}",
+                  f"{held.decode_tps:.1f}", f"{held.decode_tps / full_held.decode_tps:.2f}x"]
+    if full_running is not None:
+        cells += ["-", "-"] if running is None else [str(running), f"{running / full_running:.2f}x"]
+    return "| " + " | ".join(cells) + " |"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from vllm_kvcomp.bench import pages
+
+    return module_main(pages, "pages", argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,161 @@
+"""What every server benchmark shares: a ``vllm-kvcomp serve`` subprocess, streamed requests with
+per-token timestamps, and a ``/metrics`` sampler.
+
+Requests send random prompt token ids to ``/v1/completions`` (no tokenizer round trip; prompts
+are distinct, so nothing is shared through the prefix cache) with ``ignore_eos`` so every request
+produces exactly ``max_tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HEADER = "X-KV-Compression"
+STARTUP_S = 600
+
+
+@dataclass
+class Stream:
+    """One streamed completion: when each token arrived, and the final usage extension."""
+
+    sent: float
+    token_times: list[float] = field(default_factory=list)
+    usage: dict | None = None
+
+    @property
+    def first(self) -> float:
+        return self.token_times[0]
+
+    @property
+    def last(self) -> float:
+        return self.token_times[-1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def served(model: str | None, pool_blocks: int, max_seqs: int, max_len: int, log: Path,
+           extra: list[str] | None = None) -> Iterator[str]:
+    """Run ``vllm-kvcomp serve`` with a fixed KV pool; yields its base URL, stops it after."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm_kvcomp", "serve", *([model] if model else []), "--port", str(port),
+           "--host", "127.0.0.1", "--block-size", "32", "--num-gpu-blocks-override", str(pool_blocks),
+           "--max-num-seqs", str(max_seqs), "--max-model-len", str(max_len), "--max-num-batched-tokens", "2048",
+           "--no-enable-prefix-caching", *(extra or [])]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_healthy(url, proc, log)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + STARTUP_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}; see {log}")
+        with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/health", timeout=2):
+            return
+        time.sleep(1)
+    raise RuntimeError(f"the server did not answer /health in {STARTUP_S} s; see {log}")
+
+
+def prompts(count: int, length: int, seed: int, vocab: int = 48000) -> list[list[int]]:
+    """Distinct random prompts of ``length`` token ids (ids 10.. skip special tokens)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(count)]
+
+
+async def stream_completion(client, url: str, model: str, prompt: list[int], max_tokens: int,
+                            header: str | None) -> Stream:
+    """One streamed completion; raises on HTTP errors (a benchmark must not hide one)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    headers = {HEADER: header} if header else {}
+    stream = Stream(sent=time.perf_counter())
+    async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                stream.token_times.append(time.perf_counter())
+            if isinstance(chunk.get("usage"), dict):
+                stream.usage = chunk["usage"]
+    return stream
+
+
+class MetricsSampler:
+    """Samples gauges from ``/metrics`` every ``period`` seconds while running."""
+
+    def __init__(self, url: str, names: tuple[str, ...], period: float = 0.25):
+        self.url, self.names, self.period = url, names, period
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self._task: asyncio.Task | None = None
+
+    async def __aenter__(self) -> MetricsSampler:
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+    async def _run(self) -> None:
+        import httpx
+
+        async with httpx.AsyncClient(timeout=10) as client:
+            while True:
+                response = await client.get(f"{self.url}/metrics")
+                self.samples.append((time.perf_counter(), gauges(response.text, self.names)))
+                await asyncio.sleep(self.period)
+
+    def values(self, name: str, start: float = 0.0, end: float = float("inf")) -> list[float]:
+        return [s[name] for t, s in self.samples if start <= t <= end and name in s]
+
+
+def gauges(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Sum of each named sample over its label sets in a Prometheus text page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in names:
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def header_for(policy: str, ratio: float | None, extra: str = "") -> str | None:
+    """The request header of a benchmark config (None for full cache)."""
+    if policy == "full":
+        return None
+    return f"policy={policy}; ratio={ratio:g}" + (f"; {extra}" if extra else "")
