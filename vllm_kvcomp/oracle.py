@@ -7,6 +7,10 @@ request, greedy decoding. The timing, which the vLLM integration must reproduce 
 
 1. **Prefill.** One forward over the whole prompt (positions ``0..P-1``) with full causal
    attention. The last position's logits give generated token 1; its logprob is recorded.
+1b. **Chunked prefill** (``prefill_chunk``): the prompt is forwarded in chunks, each attending
+   to the cache as it stands. With ``prefill=stream`` the request's ``budget`` is set from the
+   whole prompt first (``policy.prefill_budget(P)``), and after every chunk but the last, if
+   ``policy.stream_due(state, M)`` (M = max live tokens), step 2 runs at that length.
 2. **Compression** (only if a policy other than ``full`` is given). Per layer a
    :class:`~vllm_kvcomp.policies.base.LayerKV` is built from the store: ``keys``/``values``
    ``[H_kv, N, D]`` post-RoPE, right-aligned (head h's ``n_h`` live tokens in slots
@@ -258,6 +262,34 @@ def _forward(model: PreTrainedModel, session: _Session, ids: Sequence[int], star
     return token, float(logprobs[token])
 
 
+def chunk_ends(prompt_len: int, chunks: int | Sequence[int] | None) -> list[int]:
+    """Where the prefill chunks end: every ``chunks`` tokens, or the given ends, then the prompt's."""
+    if chunks is None:
+        ends: list[int] = []
+    elif isinstance(chunks, int):
+        ends = list(range(chunks, prompt_len, chunks))
+    else:
+        ends = [int(e) for e in chunks if 0 < int(e) < prompt_len]
+    return [*sorted(set(ends)), prompt_len]
+
+
+def _prefill(model: PreTrainedModel, session: _Session, prompt: Sequence[int], policy: Policy | None,
+             state: RequestState, chunks: int | Sequence[int] | None, block_size: int | None,
+             result: OracleResult) -> tuple[int, float]:
+    """Step 1 (and 1b): forward the prompt whole or chunk by chunk, compressing between chunks
+    when the policy streams; the last chunk's greedy token and logprob."""
+    streams = policy is not None and policy.prefill == "stream"
+    if streams:
+        state.budget = policy.prefill_budget(len(prompt))
+    start = 0
+    for end in chunk_ends(len(prompt), chunks):
+        token, logprob = _forward(model, session, prompt[start:end], start)
+        if streams and end < len(prompt) and policy.stream_due(state, session.max_live()):
+            result.compressions.append(_compress(session, policy, state, 0, end, block_size))
+        start = end
+    return token, logprob
+
+
 def _compress(
     session: _Session, policy: Policy, state: RequestState, step: int, num_tokens: int, block_size: int | None
 ) -> dict[str, Any]:
@@ -283,12 +315,15 @@ def generate(
     profile: Profile | None = None,
     stop_token_ids: Collection[int] = (),
     block_size: int | None = None,
+    prefill_chunk: int | Sequence[int] | None = None,
 ) -> OracleResult:
     """Greedy generation with ``policy`` applied to the cache exactly as the module docstring says.
 
     ``model`` must come from :func:`load_model` (oracle attention). ``policy`` None or ``full``
     means no compression. ``profile`` (a calibration profile) is bound to the policy first.
     ``block_size`` rounds every head's kept count up to the engine's page grid (see step 2).
+    ``prefill_chunk`` forwards the prompt in chunks of that many tokens, or ending at the given
+    positions (the engine's chunk boundaries), see step 1b.
     """
     if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         raise ValueError(f"load the model with oracle.load_model (attn_implementation={ATTN_IMPLEMENTATION!r})")
@@ -305,7 +340,8 @@ def generate(
     state = RequestState(prompt_len=len(prompt_token_ids))
     result = OracleResult([], [])
 
-    token, logprob = _forward(model, session, prompt_token_ids, 0)
+    token, logprob = _prefill(model, session, prompt_token_ids, policy if compresses else None, state,
+                              prefill_chunk, block_size, result)
     processed = len(prompt_token_ids)
     result.token_ids.append(token)
     result.logprobs.append(logprob)

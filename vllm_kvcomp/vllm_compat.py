@@ -29,6 +29,7 @@ class Use:
     why: str
     breaks: str
     checked: str = CHECKED
+    param: str | None = None  # an instance attribute we set: a parameter of the callable ``symbol``
 
     def resolve(self) -> Any:
         module, _, path = self.symbol.partition(":")
@@ -40,9 +41,14 @@ class Use:
     def check(self) -> str | None:
         """None if the name exists on the installed vLLM, else why not."""
         try:
-            self.resolve()
+            obj = self.resolve()
         except (ImportError, AttributeError) as err:
             return f"{type(err).__name__}: {err}"
+        if self.param is not None:
+            import inspect
+
+            if self.param not in inspect.signature(obj).parameters:
+                return f"{self.symbol} takes no parameter {self.param!r}"
         return None
 
 
@@ -101,6 +107,17 @@ LEDGER: tuple[Use, ...] = (
         "of a request", "compressed requests keep all their blocks (no memory saved)"),
     Use("vllm.v1.core.kv_cache_manager:KVCacheManager.get_block_ids", "a request's positional block ids",
         "the worker cannot locate a request's pages"),
+    Use("vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots", "PATCH (per scheduler instance): a "
+        "request compressing during prefill is admitted by its bounded peak, not its whole prompt "
+        "(`full_sequence_must_fit` would hold it back until the full prompt fits)", "prefill=stream requests wait "
+        "for room for their whole prompt"),
+    Use("vllm.v1.core.kv_cache_utils:_check_enough_kv_cache_memory", "PATCH (engine core, only with "
+        "--allow-prompts-beyond-kv-cache): vLLM refuses to start when one max_model_len sequence does not fit "
+        "the KV cache; prefill=stream requests hold a bounded part of theirs", "the opt-in flag has no effect "
+        "(vLLM refuses max_model_len beyond the KV cache)"),
+    Use("vllm.v1.request:Request.__init__", "abort_immediately: abort a request that can never fit the KV "
+        "cache as it arrives (vLLM would keep it waiting forever)", "such a request waits forever",
+        param="abort_immediately"),
     Use("vllm.v1.request:Request.update_block_hashes", "re-hash a request after salting it out of the "
         "prefix cache (its blocks are rewritten in place)", "compressed blocks could be served as cache hits"),
     Use("vllm.v1.request:Request.get_skip_reading_prefix_cache", "the attribute we override for compressed "
@@ -223,6 +240,57 @@ def holds_blocks(kv_cache_manager: Any, req_id: str, group: int = 0) -> bool:
 def free_blocks(kv_cache_manager: Any, req_id: str, start: int, end: int, group: int = 0) -> None:
     """Return block-table columns ``[start, end)`` of a running request to the pool (null block)."""
     kv_cache_manager.coordinator.single_type_managers[group]._remove_blocks_in_range(req_id, start, end)
+
+
+def admit_by(kv_cache_manager: Any, bounded_tokens: Callable[[Any], int | None]) -> None:
+    """PATCH (see the ledger): requests for which ``bounded_tokens(request)`` is a token count are
+    admitted when that many tokens' blocks are free instead of their whole sequence's."""
+    allocate = kv_cache_manager.allocate_slots
+    if getattr(allocate, "_kvcomp_bounded", False):
+        return
+
+    def allocate_slots(request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
+        bound = bounded_tokens(request) if kwargs.get("full_sequence_must_fit") else None
+        if bound is not None:
+            manager = kv_cache_manager.coordinator.single_type_managers[0]
+            held = len(manager.req_to_blocks.get(request.request_id, ()))  # a waiting request: none
+            needed = -(-min(request.num_tokens, bound) // manager.block_size) - held
+            if needed > kv_cache_manager.block_pool.get_num_free_blocks():
+                return None
+            kwargs["full_sequence_must_fit"] = False
+        return allocate(request, num_new_tokens, *args, **kwargs)
+
+    allocate_slots._kvcomp_bounded = True
+    kv_cache_manager.allocate_slots = allocate_slots
+
+
+def allow_max_model_len_beyond_kv_cache() -> None:
+    """PATCH (see the ledger): start even if one max_model_len sequence exceeds the KV cache
+    (warn instead); requests that cannot fit are refused at the API server instead."""
+    from vllm.v1.core import kv_cache_utils
+
+    check = kv_cache_utils._check_enough_kv_cache_memory
+    if getattr(check, "_kvcomp_relaxed", False):
+        return
+
+    def relaxed(available_memory: int, get_needed_memory: Callable[[], int], max_model_len: int, *args: Any) -> None:
+        try:
+            check(available_memory, get_needed_memory, max_model_len, *args)
+        except ValueError as err:
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "--allow-prompts-beyond-kv-cache: %s Only prefill=stream requests can use the whole max_model_len.",
+                err,
+            )
+
+    relaxed._kvcomp_relaxed = True
+    kv_cache_utils._check_enough_kv_cache_memory = relaxed
+
+
+def abort_on_arrival(request: Any) -> None:
+    """Have vLLM abort a request right after adding it (it finishes with reason ``abort``)."""
+    request.abort_immediately = True
 
 
 def salt_out_of_prefix_cache(request: Any, salt: str) -> None:

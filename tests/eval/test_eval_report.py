@@ -58,7 +58,8 @@ def test_summary_means_and_order() -> None:
     assert half.kept == pytest.approx(0.5)
     assert rows[2].details == {"turn1": 1.0, "turn2": 0.0}
     table = markdown(rows)
-    assert "| niah | lagkv | 0.5 | 100 | 3 | 0.667 | 0.667 | 0.500 | 1 |  |" in table
+    assert "| niah | lagkv | 0.5 | 100 | 3 | 0.667 | [0.21, 0.94] | 0.667 | 0.500 | 1 |  |" in table
+    assert (half.low, half.high) == pytest.approx((0.2077, 0.9385), abs=1e-4)  # Wilson, n=3
     assert "turn1=1.000, turn2=0.000" in table
 
 

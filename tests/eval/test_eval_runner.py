@@ -134,7 +134,8 @@ def test_cli_end_to_end_writes_results_summary_and_plots(fake_server, tokenizer_
     names = sorted(p.name for p in plots.iterdir())
     assert names == ["accuracy_multi_niah.png", "accuracy_niah.png", "accuracy_passkey64.png",
                      "heatmap_niah_full.png", "heatmap_niah_snapkv.png",
-                     "heatmap_passkey64_full.png", "heatmap_passkey64_snapkv.png"]
+                     "heatmap_passkey64_full.png", "heatmap_passkey64_snapkv.png",
+                     "memory_multi_niah.png", "memory_niah.png", "memory_passkey64.png"]
 
     report_only = parser.parse_args(["--report-only", "--out", str(out), "--summary",
                                      str(tmp_path / "again.md")])

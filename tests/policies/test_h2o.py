@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
 from vllm_kvcomp.policies.base import LayerKV, RequestState
@@ -79,3 +82,49 @@ def test_same_window_twice_adds_nothing():
     again = policy.select_layer(kept, state)
     assert all(len(i) == 10 for i in again.indices)
     assert torch.allclose(state.layer(0)["acc"].values, before)
+
+
+def _one_hot(positions: list[int], probs: list[float], query_pos: int, dim: int = 8) -> LayerKV:
+    """One KV head holding the tokens at ``positions`` (key of position p = e_p) and one window
+    query at ``query_pos`` whose attention over them is exactly ``probs`` (scale 1)."""
+    keys = torch.eye(dim)[positions].unsqueeze(0)
+    query = torch.full((dim,), -60.0)
+    for p, prob in zip(positions, probs):
+        query[p] = math.log(prob)
+    return LayerKV(keys, torch.zeros_like(keys), positions=torch.tensor([positions]),
+                   queries=query.view(1, 1, dim), query_positions=torch.tensor([query_pos]), scale=1.0)
+
+
+def test_accumulator_is_the_sum_over_queries_as_in_the_authors_code():
+    """Deviation pinned (issue #17): H2O's code sums attention over queries
+    (``attn_weights.sum(0).sum(1)``, added up step by step); kvpress's ObservedAttentionPress
+    divides by the number of queries that saw the token.
+
+    Prefill of 6 tokens, budget 4, window 1: query 5 gives 0.08, 0.4, 0.3, 0.12, 0.05, 0.05 ->
+    keep 1, 2, 3 (heaviest) + 5 (window). Decode token 6: query 6 gives positions 1, 2, 3, 5, 6
+    0.1, 0.05, 0.05, 0.2, 0.6 -> sums 0.5, 0.35, 0.17, 0.25, 0.6 (kvpress: 0.25, 0.175, 0.085,
+    0.125, 0.6) -> keep 1, 2, 5 + 6.
+    """
+    policy = H2O(budget=4, window=1, interval=1)
+    state = RequestState()
+    first = _one_hot([0, 1, 2, 3, 4, 5], [0.08, 0.4, 0.3, 0.12, 0.05, 0.05], 5)
+    assert policy.select_layer(first, state).indices[0].tolist() == [1, 2, 3, 5]
+    second = _one_hot([1, 2, 3, 5, 6], [0.1, 0.05, 0.05, 0.2, 0.6], 6)
+    assert policy.score(second, state)[0].tolist() == pytest.approx([0.5, 0.35, 0.17, 0.25, 0.6],
+                                                                    abs=1e-6)
+    kept = policy.select_layer(second, state).indices[0]
+    assert second.positions[0, kept].tolist() == [1, 2, 5, 6]
+
+
+@pytest.mark.parametrize(("ratio", "n", "kept", "truncated"), [
+    (0.25, 10, 3, 2),   # ceil(2.5) = 3; H2O / kvpress int(2.5) = 2
+    (0.3, 10, 3, 3),    # 0.3·10 = 3.0000000000000004: no spurious 4th token
+    (0.5, 64, 32, 32),
+])
+def test_budget_rounds_up_where_the_references_truncate(ratio, n, kept, truncated):
+    """Deviation pinned (issue #17): kept per head = ceil(ratio · N), a floor on what is kept."""
+    gen = torch.Generator().manual_seed(2)
+    kv = LayerKV(torch.randn(1, n, 4, generator=gen), torch.randn(1, n, 4, generator=gen),
+                 queries=torch.randn(1, 1, 4, generator=gen))
+    assert int(ratio * n) == truncated
+    assert len(H2O(ratio=ratio, window=1).select_layer(kv, RequestState()).indices[0]) == kept

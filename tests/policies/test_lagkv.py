@@ -95,6 +95,28 @@ def test_rounding_is_floor_with_a_floor_of_one():
     assert lag_keep(8, 1.0) == 8
 
 
+@pytest.mark.parametrize(("lag", "ratio", "ours", "authors"), [
+    (128, 0.25, 32, 32),   # the defaults: same as the authors' int(r·L)
+    (100, 0.57, 57, 56),   # 0.57·100 = 56.99999999999999 in binary: int() loses a token
+    (100, 0.29, 29, 28),
+    (8, 0.1, 1, 0),        # r·L < 1: the authors keep nothing of a scored partition
+])
+def test_partition_keep_deviates_from_int_only_on_rounding_noise_and_zero(lag, ratio, ours, authors):
+    """Deviation pinned (issue #17): max(1, floor(r·L + 1e-9)) instead of the authors' int(r·L)."""
+    assert int(ratio * lag) == authors
+    assert lag_keep(lag, ratio) == ours
+
+
+def test_small_ratio_keeps_one_token_per_scored_partition():
+    """24 tokens, sink 0, lag 8, r = 0.1: partitions 0 and 1 are scored and keep 1 token each,
+    partition 2 is the window: 1 + 1 + 8 = 10 (the authors' int(0.8) = 0 would keep 8)."""
+    kv = _layer(24, heads=1, dim=4, seed=11)
+    kept = LagKV(ratio=0.1, sink=0, lag=8).select_layer(kv, RequestState()).indices[0].tolist()
+    assert len(kept) == 10 and kept[-8:] == list(range(16, 24))
+    assert 0 <= kept[0] < 8 <= kept[1] < 16
+    assert lagkv_retained(24, 0, 8, 0.1) == 10
+
+
 def test_keeps_top_scores_per_partition_and_the_tail():
     sink, lag, ratio, n = 3, 5, 0.4, 3 + 4 * 5 + 2
     kv = _layer(n, heads=2, dim=4, seed=7)
@@ -150,3 +172,18 @@ def test_short_prompt_sink_grows_in_decode():
     sel = policy.select_layer(LayerKV(keys, values), state)
     assert sel.indices[0].tolist()[:6] == list(range(6))
     assert sel.counts().tolist() == [_eq10(n, 6, 2, 0.5)]
+
+
+@pytest.mark.parametrize("settings", [{"lag": 1}, {"lag": 1, "ratio": 0.1, "sink": 0}])
+def test_a_lag_that_compresses_nothing_is_refused(settings):
+    """Issue #20 item 7: 1-token partitions each keep their token, so lag=1 evicts nothing."""
+    from vllm_kvcomp.params import SpecError
+    from vllm_kvcomp.spec import CompressionSpec
+
+    with pytest.raises(SpecError) as info:
+        CompressionSpec.from_mapping({"policy": "lagkv", **settings})
+    assert info.value.field == "lag" and "[2, 65536]" in str(info.value)
+    kv = _layer(40, heads=1)
+    assert LagKV(ratio=0.1, sink=0, lag=1).select_layer(kv, RequestState()).counts().tolist() == [40]
+    kept = LagKV.from_settings({"lag": 2, "ratio": 0.5, "sink": 0}).select_layer(kv, RequestState()).counts()
+    assert kept.tolist() == [_eq10(40, 0, 2, 0.5)] and kept.item() < 40

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -128,3 +130,40 @@ def test_short_prompt_selects_at_first_decode_recompression():
     expected = {sink + int(i) for i in attn.topk(k).indices}
     assert set(idx.tolist()) == set(range(sink)) | expected | set(range(40 - recent, 40))
     assert "pinned" in state.layer(0)
+
+
+def _probs(top: dict[int, float], n: int = 20) -> list[float]:
+    """A last-query distribution: ``top`` as given, the rest of the mass spread evenly."""
+    rest = (1.0 - sum(top.values())) / (n - len(top))
+    return [top.get(j, rest) for j in range(n)]
+
+
+def test_union_per_kv_head_not_a_cache_per_query_head():
+    """Deviation pinned (issue #17): the paper keeps a top-k per query head; we keep their union
+    per KV head (the engine's cache is per KV head) and fill the overlap with the next ranks.
+
+    B=16, G=2 -> sink 4, k=4, recent 4; eviction region = slots 4..15. Query head 0 ranks
+    5, 6, 7, 8, then 11, then 14; query head 1 ranks 10, 9, 8, 7, then 12, then 14. The paper
+    keeps {5,6,7,8} for head 0 and {7,8,9,10} for head 1: 6 distinct tokens in 8 slots. Union:
+    {5..10}; the two free slots go to the next best ranks, 11 and 12 (rank 4), not to 14 (rank
+    5 in both), although 14 has the larger group-mean attention (0.095 vs 0.054): a KV-head
+    ranking by the group mean would keep 14 and drop 6 and 9.
+    """
+    head0 = _probs({5: 0.2, 6: 0.18, 7: 0.16, 8: 0.14, 11: 0.1, 14: 0.095})
+    head1 = _probs({10: 0.2, 9: 0.18, 8: 0.16, 7: 0.14, 12: 0.1, 14: 0.095})
+    queries = torch.tensor([[math.log(p) for p in head0], [math.log(p) for p in head1]]).unsqueeze(1)
+    kv = LayerKV(torch.eye(20).unsqueeze(0), torch.zeros(1, 20, 20), queries=queries, scale=1.0)
+    assert sagekv_split(16, 2) == (4, 4, 4)
+    kept = SageKV(budget=16).select_layer(kv, RequestState()).indices[0].tolist()
+    assert kept == [0, 1, 2, 3, 5, 6, 7, 8, 9, 10, 11, 12, 16, 17, 18, 19]
+    assert {5, 6, 7, 8} <= set(kept) and {7, 8, 9, 10} <= set(kept)  # each head sees its own top-k
+
+
+@pytest.mark.parametrize(("budget", "group", "expected"), [
+    (24, 2, (6, 4, 10)),     # B/(2G) = 6 -> 4: the recent window takes the 4 slots
+    (512, 3, (128, 64, 192)),  # SmolLM2 (G=3) at 2K, ratio 0.25: 85 -> 64
+    (8192, 7, (2048, 512, 2560)),  # A.2 Qwen2.5: 585 -> 512, the paper's own number
+])
+def test_k_is_rounded_down_to_a_power_of_two(budget, group, expected):
+    """Deviation pinned (issue #17): k = B/(2G) rounded down to a power of two (A.2's two settings)."""
+    assert sagekv_split(budget, group) == expected

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from vllm_kvcomp.policies.base import LayerKV, RequestState
+from vllm_kvcomp.policies.base import LayerKV, RequestState, window_attention
 from vllm_kvcomp.policies.knorm import KNorm
 from vllm_kvcomp.policies.snapkv import SnapKV, pool_scores
 from vllm_kvcomp.policies.streamingllm import StreamingLLM
@@ -41,8 +43,42 @@ def test_score_is_pooled_group_mean_of_window_votes():
     kv = LayerKV(torch.randn(2, 25, 8, generator=gen), torch.randn(2, 25, 8, generator=gen),
                  queries=torch.randn(6, 5, 8, generator=gen))
     policy = SnapKV(window=5, kernel=3)
-    expected = pool_scores(_votes(kv), 3)
-    assert torch.allclose(policy.score(kv, RequestState()), expected, atol=1e-5)
+    prefix = _votes(kv)[:, :20]  # the reference pools attn[..., -w:, :-w]: the prefix only
+    scores = policy.score(kv, RequestState())
+    assert torch.allclose(scores[:, :20], pool_scores(prefix, 3), atol=1e-5)
+    assert torch.allclose(scores[:, 20:], scores.amax(-1, keepdim=True).expand(2, 5))
+
+
+def _one_hot_layer(probs: list[list[float]]) -> LayerKV:
+    """One KV head whose key j is e_j and window queries whose softmax over the visible keys is
+    ``probs`` (scale 1): logit_j = log p_j, so the attention is exactly what is written."""
+    n = len(probs[-1])
+    queries = torch.tensor([[math.log(p) if p > 0 else -60.0 for p in row] + [-60.0] * (n - len(row))
+                            for row in probs]).unsqueeze(0)
+    return LayerKV(torch.eye(n).unsqueeze(0), torch.zeros(1, n, n), queries=queries, scale=1.0)
+
+
+def test_pooling_stops_at_the_window_boundary_as_in_the_reference():
+    """Deviation pinned (issue #17): SnapKV's reference pools the prefix's votes only.
+
+    10 tokens, window 2 (slots 8, 9), kernel 3, budget 3 = the window + 1 prefix token. The two
+    window queries give slots 2, 3, 4 votes 0.15, 0.6, 0.15 and the window's slot 8 a vote 1.1.
+    Prefix-only pooling: slot 3 = 0.9/3 = 0.30, slot 7 = (0 + 0 + 0)/3 = 0 -> keeps 3. Pooling
+    across the boundary gave slot 7 = 1.1/3 = 0.37 > 0.30 and kept 7, a token nobody attends to.
+    """
+    kv = _one_hot_layer([
+        [0, 0, 0.1, 0.3, 0.1, 0, 0, 0, 0.5],         # query 8 (sees 0..8)
+        [0, 0, 0.05, 0.3, 0.05, 0, 0, 0, 0.6, 0],   # query 9
+    ])
+    policy = SnapKV(budget=3, window=2, kernel=3)
+    scores = policy.score(kv, RequestState())[0]
+    assert scores[3].item() == pytest.approx(0.3, abs=1e-6)
+    assert scores[7].item() == pytest.approx(0.0, abs=1e-6)
+    assert policy.select_layer(kv, RequestState()).indices[0].tolist() == [3, 8, 9]
+    votes = window_attention(kv).sum(dim=1)
+    assert votes[0].tolist() == pytest.approx([0, 0, 0.15, 0.6, 0.15, 0, 0, 0, 1.1, 0], abs=1e-6)
+    crossing = pool_scores(votes, 3)[0, :8]  # the old rule: pool across the boundary
+    assert int(crossing.argmax()) == 7 and crossing[7].item() == pytest.approx(1.1 / 3, abs=1e-6)
 
 
 def test_planted_token_and_window_are_kept():

@@ -249,7 +249,7 @@ def specs(draw):
     try:
         return CompressionSpec.from_mapping(mapping)
     except SpecError as err:  # only cross-field rules may reject a per-field valid mapping
-        assert err.field in ("window", "kernel", "budget")  # pod: budget >= sink + window
+        assert err.field in ("window", "kernel", "budget", "prefill", "lag")  # pod: budget >= sink + window; streaming; lagkv: lag >= 2
         return CompressionSpec.from_mapping({"policy": name})
 
 
@@ -272,3 +272,41 @@ def test_settings_without_a_policy_name_the_missing_policy():
         CompressionSpec.from_header("ratio=0.5")
     assert err.value.field == "policy"
     assert "snapkv" in err.value.allowed
+
+
+# ------------------------------------------------------------------ issue #20: text numbers, duplicate keys
+
+
+@pytest.mark.parametrize("text", ["０.２５", "0.２5", "١", "1_0", "inf", "nan", "0x10", "\u20030.25", "½"])
+@pytest.mark.parametrize("source", ["mapping", "xargs", "header"])
+def test_numbers_given_as_text_must_be_ascii_decimals(text, source):
+    key = "ratio" if "." in text or text in ("inf", "nan", "½") else "budget"
+    calls = {
+        "mapping": lambda: CompressionSpec.from_mapping({"policy": "snapkv", key: text}),
+        "xargs": lambda: CompressionSpec.from_xargs({"kvcomp_policy": "snapkv", f"kvcomp_{key}": text}),
+        "header": lambda: CompressionSpec.from_header(f"snapkv; {key}={text}"),
+    }
+    err = _error(calls[source])
+    assert err.field.endswith(key)
+    assert "ASCII digits" in str(err) or "finite" in str(err)
+
+
+@pytest.mark.parametrize(("text", "value"), [("0.25", 0.25), (" .5", 0.5), ("1e-1", 0.1), ("+0.3", 0.3)])
+def test_ascii_numbers_as_text_still_work(text, value):
+    assert CompressionSpec.from_mapping({"policy": "snapkv", "ratio": text}).ratio == value
+
+
+def test_an_integer_too_large_for_a_float_is_a_spec_error():
+    err = _error(lambda: CompressionSpec.from_mapping({"policy": "snapkv", "budget": 10**400}))
+    assert err.field == "budget" and "401 digits" in err.message
+    assert _error(lambda: CompressionSpec.from_mapping({"policy": "snapkv", "ratio": 10**400})).field == "ratio"
+
+
+def test_case_variants_of_a_key_must_agree():
+    err = _error(lambda: CompressionSpec.from_xargs({"KVComp_Policy": "snapkv", "kvcomp_policy": "h2o"}))
+    assert err.field == "kvcomp_policy" and "KVComp_Policy='snapkv'" in err.message and "'h2o'" in err.message
+    err = _error(lambda: CompressionSpec.from_mapping({"policy": "snapkv", "Ratio": 0.3, "RATIO": 0.5}))
+    assert err.field == "RATIO" and "Ratio=0.3" in err.message
+    same = CompressionSpec.from_xargs({"KVCOMP_POLICY": "SnapKV", "kvcomp_policy": "snapkv", "kvcomp_ratio": "0.30",
+                                       "KVComp_Ratio": 0.3})
+    assert same == CompressionSpec.from_mapping({"policy": "snapkv", "ratio": 0.3})

@@ -134,19 +134,22 @@ class CpuPagedCache(PagedCache):
     def _compensate(self, out: torch.Tensor, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
                     query_start: torch.Tensor, scale: float, compensation: SequenceCompensation) -> None:
         """Merge the compensation token into ``out`` (in place) for the sequences that have one:
-        the LSE of their kept keys is recomputed in torch, batched over those sequences."""
+        the LSE of their kept keys is recomputed in torch from their own pages only, batched over
+        the sequences with the same number of query rows."""
         k_hat, v_hat, counts = compensation
         seqs = torch.nonzero(counts > 0).flatten()
         if seqs.numel() == 0:
             return
+        bs = self.geometry.block_size
         for s, group in _by_query_count(seqs, query_start):
+            width = int((lengths[s].max() + bs - 1) // bs)  # these sequences' own pages, not the batch's
             rows = query_start[s].unsqueeze(1) + torch.arange(group)  # [C, T]
             qs = q[rows].float()  # [C, T, G, D]
-            keys = self.keys_t[tables[s]].float()  # [C, W, D, bs]
-            logits = torch.einsum("ctgd,cwdb->ctgwb", qs, keys).flatten(-2) * scale  # [C, T, G, W*bs]
+            keys = self.keys_t[tables[s, :width]].float()  # [C, W, D, bs]
+            logits = torch.matmul(qs.unsqueeze(1), keys.unsqueeze(2)).permute(0, 2, 3, 1, 4).flatten(-2)
             limit = lengths[s].view(-1, 1) - group + torch.arange(group) + 1  # causal: [C, T]
-            visible = torch.arange(logits.shape[-1]).view(1, 1, -1) < limit.unsqueeze(-1)
-            lse = logits.masked_fill(~visible.unsqueeze(2), float("-inf")).logsumexp(-1)  # [C, T, G]
+            visible = torch.arange(width * bs).view(1, 1, -1) < limit.unsqueeze(-1)
+            lse = (logits * scale).masked_fill_(~visible.unsqueeze(2), float("-inf")).logsumexp(-1)  # [C, T, G]
             comp_lse = torch.einsum("ctgd,cd->ctg", qs, k_hat[s].float()) * scale + counts[s].float().log().view(-1, 1, 1)
             comp_out = v_hat[s].float().view(-1, 1, 1, self.head_dim).expand_as(qs)
             merged, _ = merge_partials(out[rows].float().flatten(0, 1), lse.flatten(0, 1),

@@ -82,7 +82,8 @@ class KVCompConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler: KVCompScheduler | None = None
         self.worker: KVCompWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = KVCompScheduler(block_size=block_size)
+            chunk = vllm_config.scheduler_config.max_num_batched_tokens
+            self.scheduler = KVCompScheduler(block_size=block_size, chunk_tokens=chunk)
         else:
             if vllm_config.speculative_config is not None:
                 raise ValueError(
@@ -108,7 +109,13 @@ class KVCompConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
         """LBHNC: each (layer, block, head) page is one contiguous run of cells (the CPU backend
-        uses it anyway; FlashAttention and Triton take any layout)."""
+        uses it anyway; FlashAttention and Triton take any layout).
+
+        vLLM asks this in the engine core right before it sizes the KV cache, the one point where
+        the operator's ``--allow-prompts-beyond-kv-cache`` can lift its max_model_len check."""
+        extra = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector_extra_config", None) or {}
+        if extra.get("long_prompts"):
+            vllm_compat.allow_max_model_len_beyond_kv_cache()
         return "LBHNC"
 
     @classmethod
@@ -146,7 +153,7 @@ class KVCompConnector(KVConnectorBase_V1, SupportsHMA):
     # ------------------------------------------------------------------ scheduler side
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        self.scheduler.kv_cache_manager = kv_cache_manager
+        self.scheduler.bind(kv_cache_manager)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return 0, False

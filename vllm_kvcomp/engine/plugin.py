@@ -36,15 +36,22 @@ def backend_overrides(platform: str | None) -> dict[str, str]:
     return {}
 
 
-def kv_transfer_config(profiles: dict[str, str] | None = None) -> dict[str, Any]:
+def kv_transfer_config(profiles: dict[str, str] | None = None, long_prompts: bool = False) -> dict[str, Any]:
     """The engine argument that turns kvcomp on (pass as ``kv_transfer_config=``).
 
     ``profiles`` maps a calibration kind (``razor``, ``pod``) to the profile the engine serves
     for it: a name in ``<model>/kvcomp_profiles/`` or a path to a profile JSON file.
+    ``long_prompts`` lets ``max_model_len`` exceed the KV cache: only requests compressing during
+    prefill (``prefill=stream``) can then use prompts longer than the cache holds.
     """
     config: dict[str, Any] = {"kv_connector": CONNECTOR_NAME, "kv_role": "kv_both"}
+    extra: dict[str, Any] = {}
     if profiles:
-        config["kv_connector_extra_config"] = {"profiles": dict(profiles)}
+        extra["profiles"] = dict(profiles)
+    if long_prompts:
+        extra["long_prompts"] = True
+    if extra:
+        config["kv_connector_extra_config"] = extra
     return config
 
 

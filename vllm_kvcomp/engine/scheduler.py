@@ -38,6 +38,7 @@ class RequestStats:
 
     spec: CompressionSpec
     prompt_len: int
+    peak_tokens: int | None = None  # prefill=stream: tokens' worth of blocks the request holds at most
     compressions: int = 0
     tokens_kept: int | None = None
     kept_max_head: int | None = None
@@ -78,6 +79,7 @@ class KVCompScheduler:
     """Scheduler-side bookkeeping. ``kv_cache_manager`` is bound by vLLM after construction."""
 
     block_size: int
+    chunk_tokens: int = 2048  # most prompt tokens one step prefills (max_num_batched_tokens)
     kv_cache_manager: Any = None
     requests: dict[str, RequestStats] = field(default_factory=dict)
     freed: dict[str, int] = field(default_factory=dict)  # req_id -> leading columns freed
@@ -94,12 +96,48 @@ class KVCompScheduler:
         except SpecError as err:  # the server validates first; direct engine users get a log line
             logger.error("request %s: invalid kv compression spec ignored: %s", request.request_id, err)
             return
+        peak = self._peak_tokens(spec, request.num_prompt_tokens) if spec is not None and spec.compresses else None
+        if not self._can_ever_fit(request, peak):
+            logger.error("request %s: its %d-token prompt can never fit the KV cache (%d tokens) without "
+                         "prefill=stream; aborted", request.request_id, request.num_prompt_tokens,
+                         self._pool_tokens())
+            vllm_compat.abort_on_arrival(request)
+            return
         if spec is None or not spec.compresses:
             return
-        self.requests[request.request_id] = RequestStats(spec=spec, prompt_len=request.num_prompt_tokens)
+        self.requests[request.request_id] = RequestStats(spec=spec, prompt_len=request.num_prompt_tokens,
+                                                         peak_tokens=peak)
         # Compaction rewrites this request's blocks in place: keep them out of everyone's prefix
         # cache (unique salt chains into every block hash) and never read cached prefixes.
         vllm_compat.salt_out_of_prefix_cache(request, f"kvcomp:{request.request_id}")
+
+    def _pool_tokens(self) -> int:
+        return (self.kv_cache_manager.block_pool.num_gpu_blocks - 1) * self.block_size  # less the null block
+
+    def _can_ever_fit(self, request, peak_tokens: int | None) -> bool:
+        """False for a request that would wait forever: only possible when the operator let
+        max_model_len exceed the KV cache (``--allow-prompts-beyond-kv-cache``)."""
+        if self.kv_cache_manager is None:
+            return True
+        need = request.num_prompt_tokens + 1 if peak_tokens is None else min(peak_tokens, request.num_prompt_tokens + 1)
+        return need <= self._pool_tokens()
+
+    def _peak_tokens(self, spec: CompressionSpec, prompt_len: int) -> int | None:
+        """For ``prefill=stream``: what the request holds at most while its prompt is prefilled
+        (kept tokens per head, a page of rounding, one chunk, a page of growth), else None."""
+        if spec.to_dict().get("prefill") != "stream":
+            return None
+        bound = spec.build_policy().streaming_bound(prompt_len)
+        return None if bound is None else bound + self.chunk_tokens + 2 * self.block_size
+
+    def bind(self, kv_cache_manager) -> None:
+        """Start scheduling with vLLM's cache manager: admit streaming requests by their peak."""
+        self.kv_cache_manager = kv_cache_manager
+        vllm_compat.admit_by(kv_cache_manager, self.admission_tokens)
+
+    def admission_tokens(self, request) -> int | None:
+        stats = self.requests.get(request.request_id)
+        return None if stats is None else stats.peak_tokens
 
     # ------------------------------------------------------------------ per step
     def build_meta(self, scheduler_output) -> StepMetadata:

@@ -40,6 +40,7 @@ class CompressedRequest:
     windows: list[QueryWindow] = field(default_factory=list)
     compensation: list[Compensation | None] = field(default_factory=list)  # per layer
     steps_since: int = 0  # decode forwards since the last compression
+    prompt_done: bool = False  # compressed at the end of the prompt (decode recompressions follow)
 
     @property
     def compressed(self) -> bool:

@@ -209,19 +209,26 @@ class KVCompWorker:
 
     # ------------------------------------------------------------------ after the forward
     def finish_step(self) -> None:
-        """Compress requests whose prefill just completed or whose decode recompression is due."""
+        """Compress requests whose prefill just completed (or, with ``prefill=stream``, whose
+        prefill chunk left a head over its budget) or whose decode recompression is due."""
         for rid, sched in self.step.items():
             state = self.requests.get(rid)
             if state is None or not state.spec.compresses:
                 continue
             end = sched.num_computed + sched.num_scheduled
-            if state.policy_state.compressions == 0:
-                if end >= sched.prompt_len:
-                    self._compress(rid, state, sched, end, decode=False)
-                continue
-            state.steps_since += 1
             policy = state.policy
             live = int(state.pages.lengths(end).max())
+            if not state.prompt_done:
+                if end >= sched.prompt_len:
+                    self._compress(rid, state, sched, end, decode=False)
+                    state.prompt_done = True
+                elif policy.prefill == "stream":
+                    if state.policy_state.budget is None:  # the whole prompt's, not this chunk's
+                        state.policy_state.budget = policy.prefill_budget(sched.prompt_len)
+                    if policy.stream_due(state.policy_state, live):
+                        self._compress(rid, state, sched, end, decode=False)
+                continue
+            state.steps_since += 1
             if policy.RECOMPRESSES and policy.due(state.policy_state, live, state.steps_since):
                 self._compress(rid, state, sched, end, decode=True)
 

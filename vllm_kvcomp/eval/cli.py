@@ -3,8 +3,8 @@
 Example::
 
     vllm-kvcomp eval --url http://localhost:8000 --model smollm2 --tasks passkey64,niah \\
-        --policies full,lagkv,snapkv --ratios 0.5,0.25 --lengths 2k,4k --samples 10 \\
-        --out results/eval.jsonl --plots results/plots
+        --policies full,lagkv,snapkv,lagkv:lag=64 --ratios 0.5,0.25 --lengths 2k,4k --samples 10 \\
+        --claim-samples 20 --out results/eval.jsonl --plots results/plots
 """
 
 from __future__ import annotations
@@ -46,13 +46,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api", choices=("chat", "completions"), default="chat",
                         help="chat messages, or one plain-text prompt per request")
     parser.add_argument("--tasks", default=",".join(TASKS), help="comma list (default: all)")
-    parser.add_argument("--policies", default="full,lagkv", help="comma list; full = baseline")
+    parser.add_argument("--policies", default="full,lagkv",
+                        help="comma list; full = baseline; NAME:key=value[:key=value] adds "
+                             "settings (lagkv:lag=64), NAME:ratio=R runs only at R")
     parser.add_argument("--ratios", default="0.5,0.25", help="kept fractions, comma list")
     parser.add_argument("--lengths", default="1k,2k,4k",
                         help="prompt lengths in the model's tokens, comma list (4k = 4096)")
     parser.add_argument("--depths", default="0,25,50,75,100",
                         help="needle depths in percent; sample i uses depth i mod len(depths)")
     parser.add_argument("--samples", type=int, default=5, help="samples per task and length")
+    parser.add_argument("--claim-samples", type=int, default=0,
+                        help="at least this many samples in the cells the papers' claims read "
+                             "(vllm_kvcomp.eval.claims.CLAIMS)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="kvcomp-eval/results.jsonl",
                         help="results JSONL, appended to and resumed from")
@@ -88,9 +93,9 @@ def _counter(args: argparse.Namespace):
 
 
 def _evaluate(args: argparse.Namespace) -> list[dict]:
-    from vllm_kvcomp.eval import runner
+    from vllm_kvcomp.eval import claims, runner
     from vllm_kvcomp.eval.haystack import essay_sentences
-    from vllm_kvcomp.eval.tasks import TaskContext, plan
+    from vllm_kvcomp.eval.tasks import TaskContext
 
     if not args.url or not args.model:
         raise ValueError("--url and --model are required (or pass --report-only)")
@@ -99,20 +104,22 @@ def _evaluate(args: argparse.Namespace) -> list[dict]:
     depths = tuple(d / 100.0 for d in _csv(args.depths, float))
     if not depths or any(not 0.0 <= d <= 1.0 for d in depths):
         raise ValueError(f"--depths must be percentages in [0, 100], got {args.depths!r}")
-    items = plan(_csv(args.tasks, str), _csv(args.lengths, parse_length), args.samples)
     conds = runner.conditions(_csv(args.policies, str), _csv(args.ratios, float))
+    extra = claims.claim_samples(args.claim_samples) if args.claim_samples > 0 else None
+    work = runner.schedule(_csv(args.tasks, str), _csv(args.lengths, parse_length), conds,
+                           args.samples, extra)
     haystack = Path(args.haystack) if args.haystack else None
     ctx = TaskContext(args.seed, _counter(args), depths, lambda: essay_sentences(haystack))
     settings = runner.Settings(args.url, args.model, args.api_key, args.api, args.max_tokens,
                                args.concurrency, args.timeout, args.max_errors)
     out = Path(args.out)
-    stats = runner.run(ctx, items, conds, settings, out)
+    stats = runner.run_work(ctx, work, settings, out)
     print(f"sent {stats.sent}, resumed past {stats.skipped}, failed {stats.errors}", file=sys.stderr)
     return [r for r in runner.read_jsonl(out) if r.get("key") in stats.keys]
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm_kvcomp.eval.report import markdown, write_report
+    from vllm_kvcomp.eval.report import report_markdown, write_report
     from vllm_kvcomp.eval.runner import read_jsonl
 
     out = Path(args.out)
@@ -127,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     summary = Path(args.summary) if args.summary else out.with_suffix(".md")
     plots = Path(args.plots) if args.plots else None
     rows = write_report(records, summary, plots)
-    print(markdown(rows))
+    print(report_markdown(rows))
     print(f"results: {out}\nsummary: {summary}" + (f"\nplots: {plots}" if plots else ""),
           file=sys.stderr)
     return 0

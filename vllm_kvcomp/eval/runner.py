@@ -13,35 +13,51 @@ import json
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
 from tqdm import tqdm
 
 from vllm_kvcomp.eval.scoring import score_sample
-from vllm_kvcomp.eval.tasks import TaskContext, generate
+from vllm_kvcomp.eval.tasks import TaskContext, generate, plan
 from vllm_kvcomp.eval.tasks.base import Sample, sample_uid
-from vllm_kvcomp.policies.registry import POLICY_NAMES
+from vllm_kvcomp.params import SpecError
+from vllm_kvcomp.policies.registry import POLICY_NAMES, get_policy_class
 
 HEADER = "X-KV-Compression"
 APPLIED_HEADER = "X-KV-Compression-Applied"
 
 
+Setting = tuple[str, Any]
+
+
+def _text(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 @dataclass(frozen=True)
 class Condition:
-    """One compression setting: a policy and its kept ratio (``None`` for ``full``)."""
+    """One compression setting: a policy, its kept ratio (``None`` for ``full``) and any further
+    settings sent in the header (``lag=64``), sorted by key, defaults left out."""
 
     policy: str
     ratio: float | None = None
+    params: tuple[Setting, ...] = ()
+
+    @property
+    def label(self) -> str:
+        """``lagkv`` or ``lagkv:lag=64``: the policy column of the results (ratio excluded)."""
+        return ":".join([self.policy, *(f"{k}={_text(v)}" for k, v in self.params)])
 
     @property
     def header(self) -> str:
         if self.ratio is None:
             return "policy=full"
-        return f"policy={self.policy}; ratio={self.ratio:g}"
+        extra = "".join(f"; {k}={_text(v)}" for k, v in self.params)
+        return f"policy={self.policy}; ratio={self.ratio:g}{extra}"
 
     @property
     def kept_ratio(self) -> float:
@@ -49,20 +65,66 @@ class Condition:
         return 1.0 if self.ratio is None else self.ratio
 
 
+def parse_condition(text: str) -> tuple[str, float | None, tuple[Setting, ...]]:
+    """``name[:key=value...]`` -> (policy, pinned ratio or None, settings).
+
+    Keys are checked against the policy's :meth:`~vllm_kvcomp.policies.base.Policy.accepted_params`;
+    ``ratio`` pins the condition to that ratio instead of every ``--ratios`` value; settings equal
+    to the policy's default are dropped, so ``lagkv:lag=128`` is the same condition as ``lagkv``.
+    """
+    name, *parts = [p.strip() for p in text.strip().split(":")]
+    name = "full" if name.lower() == "none" else name.lower()
+    if name not in POLICY_NAMES:
+        raise ValueError(f"unknown policy {text!r} (allowed: {', '.join(POLICY_NAMES)})")
+    cls = get_policy_class(name)
+    accepted = cls.accepted_params()
+    defaults = {f.name: f.default for f in fields(cls)}
+    settings: dict[str, Any] = {}
+    for part in parts:
+        key, sep, value = (x.strip() for x in part.partition("="))
+        key = key.lower()
+        if not sep or not key or not value:
+            raise ValueError(f"bad setting {part!r} in {text!r} (expected key=value)")
+        if key not in accepted or key == "budget":
+            allowed = ", ".join(k for k in accepted if k != "budget") or "none"
+            raise ValueError(f"{name} does not take {key!r} here (allowed: {allowed})")
+        try:
+            settings[key] = accepted[key].coerce(value)
+        except SpecError as err:
+            raise ValueError(f"{text!r}: {err}") from None
+    try:
+        cls.from_settings(settings)  # the policy's own cross-field checks, as the server runs them
+    except SpecError as err:
+        raise ValueError(f"{text!r}: {err}") from None
+    ratio = settings.pop("ratio", None)
+    params = tuple(sorted((k, v) for k, v in settings.items() if v != defaults.get(k)))
+    return name, ratio, params
+
+
 def conditions(policies: Sequence[str], ratios: Sequence[float]) -> list[Condition]:
-    """Every policy at every ratio; ``full`` (or ``none``) once. Invalid input raises ValueError."""
+    """Every policy at every ratio; ``full`` (or ``none``) once; ``name:ratio=r`` only at r.
+
+    Entries may carry settings (``lagkv:lag=64``, see :func:`parse_condition`). Invalid input
+    raises ValueError.
+    """
     bad = [r for r in ratios if not 0.0 < r <= 1.0]
     if bad:
         raise ValueError(f"ratios must be in (0, 1] (fraction of tokens kept), got {bad}")
     out: list[Condition] = []
     for raw in policies:
-        name = raw.strip().lower()
-        name = "full" if name == "none" else name
-        if name not in POLICY_NAMES:
-            raise ValueError(f"unknown policy {raw!r} (allowed: {', '.join(POLICY_NAMES)})")
-        if name != "full" and not ratios:
+        name, pinned, params = parse_condition(raw)
+        if pinned is not None and not 0.0 < pinned <= 1.0:
+            raise ValueError(f"{raw!r}: ratio must be in (0, 1] (fraction of tokens kept)")
+        if name == "full":
+            if params or pinned is not None:
+                raise ValueError(f"{raw!r}: full takes no settings")
+            new = [Condition("full")]
+        elif pinned is not None:
+            new = [Condition(name, pinned, params)]
+        elif not ratios:
             raise ValueError(f"policy {name!r} needs at least one ratio")
-        new = [Condition("full")] if name == "full" else [Condition(name, r) for r in ratios]
+        else:
+            new = [Condition(name, r, params) for r in ratios]
         out.extend(c for c in new if c not in out)
     return out
 
@@ -82,8 +144,8 @@ class Settings:
 
 
 def record_key(model: str, uid: str, condition: Condition) -> str:
-    """Resume key of one JSONL line."""
-    return f"{model}|{uid}|{condition.policy}|{condition.kept_ratio:g}"
+    """Resume key of one JSONL line (a condition without settings keys by its policy name)."""
+    return f"{model}|{uid}|{condition.label}|{condition.kept_ratio:g}"
 
 
 def base_url(url: str) -> str:
@@ -195,6 +257,7 @@ def evaluate(client: Any, settings: Settings, sample: Sample, condition: Conditi
         "key": record_key(settings.model, sample.uid, condition), "model": settings.model,
         "task": sample.task, "index": sample.index, "seed": sample.seed, "length": sample.length,
         "tokens": sample.tokens, "depth": sample.depth, "policy": condition.policy,
+        "condition": condition.label, "params": dict(condition.params),
         "ratio": condition.kept_ratio, "header": condition.header,
         "answers": [list(t.answers) for t in sample.turns],
     }
@@ -243,22 +306,57 @@ class RunStats:
     keys: frozenset[str]
 
 
-def run(ctx: TaskContext, items: Sequence[tuple[str, int, int]], conds: Sequence[Condition],
-        settings: Settings, out: Path, client: Any = None) -> RunStats:
-    """Generate the samples in ``items`` (task, length, index) that still have work and send them.
+Item = tuple[str, int, int]
+#: (task, length, index) of a sample and the conditions it runs under
+Work = list[tuple[Item, list[Condition]]]
 
-    Raises RuntimeError once more than ``settings.max_errors`` requests have failed.
+
+def schedule(tasks: Sequence[str], lengths: Sequence[int], conds: Sequence[Condition], samples: int,
+             extra: Callable[[str, Condition], int] | None = None) -> Work:
+    """Sample-major work list: every (task, condition) gets ``samples`` samples, or more where
+    ``extra(task, condition)`` asks for more (claim cells).
+
+    Sample-major means index 0 of every cell first, then index 1, ...: an interrupted run leaves
+    every cell with about the same number of samples. Unknown tasks raise ValueError.
     """
-    done = done_keys(out)
+    plan(tasks, lengths, 1)  # validates the task names
+    counts = {(t, c): max(samples, extra(t, c) if extra else 0) for t in tasks for c in conds}
+    work: Work = []
+    for index in range(max(counts.values(), default=0)):
+        for task in tasks:
+            wanted = [c for c in conds if index < counts[(task, c)]]
+            work.extend(((task, length, index), wanted) for length in lengths if wanted)
+    return work
+
+
+def run(ctx: TaskContext, items: Sequence[Item], conds: Sequence[Condition],
+        settings: Settings, out: Path, client: Any = None) -> RunStats:
+    """Every sample in ``items`` (task, length, index) under every condition: :func:`run_work`."""
+    return run_work(ctx, [(item, list(conds)) for item in items], settings, out, client)
+
+
+def _pending(ctx: TaskContext, work: Work, model: str, done: set[str]) -> tuple[Work, set[str]]:
+    """The part of ``work`` not in ``done`` yet, and every key of ``work``."""
     keys: set[str] = set()
-    todo: list[tuple[tuple[str, int, int], list[Condition]]] = []
-    for task, length, index in items:
+    todo: Work = []
+    for (task, length, index), conds in work:
         uid = sample_uid(task, length, ctx.seed, index)
-        wanted = {c: record_key(settings.model, uid, c) for c in conds}
+        wanted = {c: record_key(model, uid, c) for c in conds}
         keys.update(wanted.values())
         pending = [c for c, k in wanted.items() if k not in done]
         if pending:
             todo.append(((task, length, index), pending))
+    return todo, keys
+
+
+def run_work(ctx: TaskContext, work: Work, settings: Settings, out: Path,
+             client: Any = None) -> RunStats:
+    """Generate the samples in ``work`` that still have conditions to run and send them, in
+    order, ``settings.concurrency`` at a time; lines already in ``out`` are skipped (resume).
+
+    Raises RuntimeError once more than ``settings.max_errors`` requests have failed.
+    """
+    todo, keys = _pending(ctx, work, settings.model, done_keys(out))
     skipped = len(keys) - sum(len(p) for _, p in todo)
     pairs = [(generate(ctx, *item), c)
              for item, pending in tqdm(todo, desc="generate", unit="sample", leave=False)
@@ -268,7 +366,7 @@ def run(ctx: TaskContext, items: Sequence[tuple[str, int, int]], conds: Sequence
     errors = 0
     try:
         with ThreadPoolExecutor(max_workers=max(1, settings.concurrency)) as pool, \
-                tqdm(total=len(pairs), desc="eval", unit="sample") as bar:
+                tqdm(total=len(keys), initial=skipped, desc="eval", unit="sample") as bar:
             futures: list[Future[dict[str, Any]]] = [
                 pool.submit(evaluate, client, settings, s, c) for s, c in pairs]
             for future in as_completed(futures):

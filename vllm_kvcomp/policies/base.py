@@ -244,6 +244,12 @@ def protected_topk(
 
 # ---------------------------------------------------------------------------- policy base
 
+PREFILL_PARAM = Param(
+    "prefill", str, "end", choices=("end", "stream"),
+    help="compress the prompt once at its end, or after every prefill chunk (bounded memory; "
+    "streamingllm, knorm, lagkv, razor)",
+)
+
 
 @dataclass
 class Policy:
@@ -259,6 +265,12 @@ class Policy:
     RECOMPRESSES: ClassVar[bool] = False
     #: Name of a calibration profile kind the policy needs ("razor", "pod") or None.
     PROFILE: ClassVar[str | None] = None
+    #: True if compressing after every prefill chunk keeps what compressing the whole prompt at
+    #: its end keeps, from the cache it is given (``prefill=stream`` is then allowed): the policy
+    #: needs no queries of the final prompt and its budget depends on the prompt length only.
+    STREAMS: ClassVar[bool] = False
+
+    prefill: str = field(default="end", kw_only=True)
 
     @classmethod
     def accepted_params(cls) -> dict[str, Param]:
@@ -267,6 +279,8 @@ class Policy:
         for f in fields(cls):
             if f.name in COMMON_PARAMS:
                 out[f.name] = COMMON_PARAMS[f.name]
+            elif f.name == PREFILL_PARAM.name:
+                out[f.name] = PREFILL_PARAM
             elif f.name in cls.PARAMS:
                 out[f.name] = cls.PARAMS[f.name]
         return out
@@ -284,6 +298,13 @@ class Policy:
             raise SpecError(key, f"unknown key for policy {cls.name!r}", ", ".join(cls.accepted_params()))
         policy = cls(**kwargs)
         policy.check()
+        if policy.prefill == "stream" and not cls.STREAMS:
+            from vllm_kvcomp.policies.registry import streaming_policy_names
+
+            raise SpecError(
+                "prefill", f"policy {cls.name!r} cannot compress during prefill: it scores tokens with the final "
+                "prompt's queries, which an earlier chunk does not have", ", ".join(streaming_policy_names()),
+            )
         return policy
 
     def check(self) -> None:
@@ -306,6 +327,20 @@ class Policy:
         """
         budget = getattr(self, "budget", None)
         return int(budget) if budget is not None else self.kept_for(n_tokens)
+
+    def prefill_budget(self, prompt_len: int) -> int:
+        """``RequestState.budget`` of a request that compresses during prefill (set before the
+        first chunk's compression, from the whole prompt's length)."""
+        return self.target_budget(prompt_len)
+
+    def stream_due(self, state: RequestState, num_tokens: int) -> bool:
+        """Whether to compress after a prefill chunk, ``num_tokens`` live tokens in the largest head."""
+        return state.over_budget(num_tokens)
+
+    def streaming_bound(self, prompt_len: int) -> int | None:
+        """Most tokens a head holds after compressing a ``prompt_len`` prompt chunk by chunk (the
+        scheduler admits by it), or None when it cannot be told from the spec alone."""
+        return self.prefill_budget(prompt_len)
 
     def due(self, state: RequestState, num_tokens: int, steps_since: int) -> bool:
         """Whether to recompress now, during decode (only asked if ``RECOMPRESSES``)."""

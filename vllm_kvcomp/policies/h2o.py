@@ -9,6 +9,21 @@ during decode every ``interval`` steps.
 
 Deviation: the paper accumulates over *every* query; the engine captures the last
 ``max(window, interval)`` queries, so prefill contributes only its last ``window`` queries.
+
+Deliberate choices (issue #17, pinned in ``tests/policies/test_h2o.py``):
+
+* **Summed, not averaged.** The accumulator is the *sum* of the attention each token received,
+  as in the H2O authors' code (``attn_weights.sum(0).sum(1)``, added up step by step). kvpress's
+  ``ObservedAttentionPress`` divides by the number of queries that could see the token; at a
+  one-shot prefill that only rescales the tokens before the window (all seen by every window
+  query) and the window is kept anyway, so the two rank the same there. They differ in decode,
+  where the sum favours old tokens (H2O's heavy hitters) and the mean newer ones.
+* **Budget rounds up.** Kept per head = ``ceil(ratio · N)`` (every policy, ``params.kept_count``),
+  where the references truncate (``int(heavy_ratio · N) + int(recent_ratio · N)`` in H2O,
+  ``int(N · (1 - compression_ratio))`` in kvpress): the requested ratio is a floor on what is
+  kept, never rounded away (and the engine's page grid rounds up again).
+* The recent part is the fixed ``window`` (default 32) and heavy hitters take the rest; the
+  authors split the budget into heavy and recent halves.
 """
 
 from __future__ import annotations

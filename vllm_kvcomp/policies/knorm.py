@@ -21,6 +21,7 @@ class KNorm(HeadsChoice, ScorePolicy):
     """Lowest key norms, optionally plus sink and recent window."""
 
     name: ClassVar[str] = "knorm"
+    STREAMS: ClassVar[bool] = True
     PARAMS: ClassVar[dict[str, Param]] = {**HEADS_PARAMS}
 
     ratio: float | None = 0.5

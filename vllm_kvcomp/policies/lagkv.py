@@ -57,7 +57,14 @@ def lagkv_scores(
 
 
 def lag_keep(lag: int, ratio: float) -> int:
-    """Tokens a scored partition keeps: ``floor(r·L)``, at least 1."""
+    """Tokens a scored partition keeps: ``floor(r·L)``, at least 1.
+
+    The authors' code takes ``int(r·L)``; two deliberate differences (issue #17, pinned in
+    ``tests/policies/test_lagkv.py``): the ``1e-9`` lets a decimal ratio mean what it says
+    (0.57·100 is 56.99999999999999 in binary, ``int`` gives 56, this gives 57; it changes nothing
+    unless r·L is within 1e-9 below an integer), and at least one token survives per partition
+    (``int`` gives 0 when r·L < 1, which silently turns LagKV into sink + sliding window).
+    """
     return max(1, math.floor(ratio * lag + 1e-9))
 
 
@@ -75,15 +82,36 @@ class LagKV(Policy):
 
     name: ClassVar[str] = "lagkv"
     RECOMPRESSES: ClassVar[bool] = True
+    STREAMS: ClassVar[bool] = True
 
     ratio: float | None = 0.5
     sink: int = 16
     lag: int = 128
 
+    def check(self) -> None:
+        """A 1-token partition keeps its one token (``lag_keep`` is at least 1): nothing is ever
+        evicted, yet the cache would be rescored every decode step."""
+        from vllm_kvcomp.params import COMMON_PARAMS, SpecError
+
+        if self.lag < 2:
+            high = int(COMMON_PARAMS["lag"].high or 0)
+            raise SpecError("lag", f"lag={self.lag} compresses nothing (each partition keeps at least one token)",
+                            f"integer in [2, {high}]")
+
     def due(self, state: RequestState, num_tokens: int, steps_since: int) -> bool:
         """True once some layer's uncompressed tail holds two full partitions."""
         bases = [m["compressed"] for m in state.layers.values() if "compressed" in m]
         return bool(bases) and num_tokens - min(bases) >= 2 * self.lag
+
+    def stream_due(self, state: RequestState, num_tokens: int) -> bool:
+        """After a prefill chunk: as in decode, or (nothing compressed yet) once the first
+        partition has its reference."""
+        if any("compressed" in m for m in state.layers.values()):
+            return self.due(state, num_tokens, 0)
+        return num_tokens >= int(self.sink) + 2 * self.lag
+
+    def streaming_bound(self, prompt_len: int) -> int | None:
+        return lagkv_retained(prompt_len, int(self.sink), self.lag, self.ratio or 1.0)
 
     def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
         memory = state.layer(kv.layer)

@@ -51,6 +51,7 @@ class Razor(Policy):
 
     name: ClassVar[str] = "razor"
     PROFILE: ClassVar[str | None] = "razor"
+    STREAMS: ClassVar[bool] = True
     PARAMS: ClassVar[dict[str, Param]] = {
         "buffer": Param(
             "buffer", int, 512, 0, 1 << 24,
@@ -77,6 +78,12 @@ class Razor(Policy):
         """L_h = max(S0, N / C): recent tokens a non-retrieval head keeps out of ``n_tokens``."""
         return max(int(self.buffer), self.kept_for(n_tokens))
 
+    def prefill_budget(self, prompt_len: int) -> int:
+        return min(prompt_len, int(self.sink or 0) + self.recent_for(prompt_len))
+
+    def streaming_bound(self, prompt_len: int) -> int | None:
+        return None  # retrieval heads keep the whole prompt: the bound depends on the profile
+
     def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
         heads = self.retrieval_heads
         if heads is None:
@@ -87,26 +94,42 @@ class Razor(Policy):
         lengths = kv.valid_lengths()
         sink = int(self.sink or 0)
         if state.budget is None:
-            longest = int(lengths.max())
-            state.budget = min(longest, sink + self.recent_for(longest))
-        dim = kv.keys.shape[-1]
-        acc = torch.float64 if kv.keys.dtype == torch.float64 else torch.float32
-        k_hat = torch.zeros(kv.num_kv_heads, dim, dtype=acc)
-        v_hat = torch.zeros(kv.num_kv_heads, kv.values.shape[-1], dtype=acc)
-        counts = torch.zeros(kv.num_kv_heads, dtype=torch.float32)
-        indices = []
+            state.budget = self.prefill_budget(int(lengths.max()))
+        indices, dropped = [], []
         for h in range(kv.num_kv_heads):
             length = int(lengths[h])
             start = n - length
             keep_sink = min(sink, length)
-            recent = state.page_count(keep_sink + self.recent_for(length), length) - keep_sink
+            # L_h of the whole prompt, also when an earlier prefill chunk is compressed (prefill=stream)
+            recent = state.page_count(keep_sink + self.recent_for(max(length, state.prompt_len)), length) - keep_sink
             if (kv.layer, h) in heads or keep_sink + recent >= length:
                 indices.append(torch.arange(start, n))
+                dropped.append(None)
                 continue
-            dropped = slice(start + keep_sink, n - recent)
             indices.append(torch.cat([torch.arange(start, start + keep_sink), torch.arange(n - recent, n)]))
-            k_hat[h] = kv.keys[h, dropped].to(acc).mean(0)
-            v_hat[h] = kv.values[h, dropped].to(acc).mean(0)
-            counts[h] = float(length - keep_sink - recent)
-        comp = Compensation(k_hat.to(kv.keys.dtype), v_hat.to(kv.values.dtype), counts)
-        return Selection(indices, comp)
+            dropped.append(slice(start + keep_sink, n - recent))
+        return Selection(indices, self._compensation(kv, state, dropped))
+
+    def _compensation(self, kv: LayerKV, state: RequestState, dropped: list[slice | None]) -> Compensation:
+        """Eq. 4 over every token a head ever dropped: this call's drops folded into the mean of
+        the earlier ones (a prompt compressed chunk by chunk drops in several calls)."""
+        acc = torch.float64 if kv.keys.dtype == torch.float64 else torch.float32
+        memory = state.layer(kv.layer)
+        heads, dim = kv.num_kv_heads, kv.keys.shape[-1]
+        k_sum = torch.zeros(heads, dim, dtype=acc)
+        v_sum = torch.zeros(heads, kv.values.shape[-1], dtype=acc)
+        counts = torch.zeros(heads, dtype=acc)
+        if "comp" in memory:
+            old = memory["comp"]
+            counts += old.counts.to(acc)
+            k_sum += old.keys.to(acc) * counts.unsqueeze(1)
+            v_sum += old.values.to(acc) * counts.unsqueeze(1)
+        for h, span in enumerate(dropped):
+            if span is not None:
+                k_sum[h] += kv.keys[h, span].to(acc).sum(0)
+                v_sum[h] += kv.values[h, span].to(acc).sum(0)
+                counts[h] += span.stop - span.start
+        mean = counts.clamp(min=1).unsqueeze(1)
+        comp = Compensation((k_sum / mean).to(kv.keys.dtype), (v_sum / mean).to(kv.values.dtype), counts.float())
+        memory["comp"] = comp
+        return comp

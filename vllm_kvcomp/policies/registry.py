@@ -30,6 +30,11 @@ POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
 NO_COMPRESSION_WORDS: tuple[str, ...] = ("none", "full")
 
 
+def streaming_policy_names() -> tuple[str, ...]:
+    """Policies that may compress after every prefill chunk (``prefill=stream``)."""
+    return tuple(name for name in POLICY_NAMES if get_policy_class(name).STREAMS)
+
+
 def get_policy_class(name: str):
     """The policy class for a public name; SpecError for unknown names."""
     try:

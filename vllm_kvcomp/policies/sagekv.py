@@ -12,6 +12,18 @@ sets overlap the union is smaller than G·k: the free slots go to the next-ranke
 best rank any query head of the group gives a token, ties by the larger attention), so every
 head keeps exactly B.
 
+Deliberate choices (issue #17, pinned in ``tests/policies/test_sagekv.py``):
+
+* **Union per KV head, not a cache per query head.** The paper selects per query head ("H_q
+  groups of the top-k KV caches"). The engine's cache is per KV head, so a query head attends to
+  the union: a superset of its own top-k (it also sees its group's picks), never less. Storing G
+  separate sets would cost up to G copies of shared tokens; the budget B stays the paper's
+  ``sink + G·k + recent``.
+* **k rounded down to a power of two.** A.2's rule ``k = B/(2G)`` gives 585 for Qwen2.5 (G=7,
+  B=8192), where the paper uses 512; rounding down to a power of two is the one rule that gives
+  both published settings (1024 for G=4, 512 for G=7). On the bundled SmolLM2 (G=3) the top-k
+  part is then 37.5 % of B at B=512 or 1024 (k=64/128), not 50 %; the recent window takes the rest.
+
 Decode: sink and the selected set stay pinned (per-slot memory keyed by position) while the
 recent window slides; every ``interval`` steps the cache is cut back to B. If the first
 selection compressed nothing (prompt ≤ B), the first decode recompression makes the selection.

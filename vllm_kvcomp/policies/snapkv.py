@@ -2,8 +2,9 @@
 
 Score per KV head = attention of the last ``window`` queries summed over those queries, reduced
 over the GQA group by the mean (:func:`reduce_gqa`), then smoothed by a 1-D average pool of
-width ``kernel`` (zero padded). Keeps the top scores plus the observation window itself.
-One-shot after prefill.
+width ``kernel`` over the prefix (the slots before the window; zero padded at both ends, as the
+authors' ``snapkv_utils.py`` and kvpress do). Keeps the top scores plus the observation window
+itself. One-shot after prefill.
 """
 
 from __future__ import annotations
@@ -59,6 +60,17 @@ class SnapKV(HeadsChoice, ScorePolicy):
         return self.window
 
     def score(self, kv: LayerKV, state: RequestState) -> torch.Tensor:
-        """[H_kv, N] pooled, group-averaged attention mass from the observation window."""
-        votes = window_attention(kv).sum(dim=1)  # [H_q, N]
-        return pool_scores(reduce_gqa(votes, kv.num_kv_heads), self.kernel)
+        """[H_kv, N] pooled, group-averaged attention mass from the observation window.
+
+        Pooling runs over the prefix's votes only (the window's columns are zeroed first), as in
+        SnapKV's reference and kvpress, which pool ``attn[..., -w:, :-w]``: otherwise the tokens
+        just before the window borrow the window's large local attention. The window itself is
+        always kept; its slots score the row maximum.
+        """
+        votes = reduce_gqa(window_attention(kv).sum(dim=1), kv.num_kv_heads)  # [H_kv, N]
+        start = kv.num_slots - min(self.window, kv.num_slots)  # right-aligned: same for every head
+        prefix = votes.clone()
+        prefix[:, start:] = 0.0
+        pooled = pool_scores(prefix, self.kernel)
+        pooled[:, start:] = pooled.amax(dim=-1, keepdim=True)
+        return pooled

@@ -19,6 +19,7 @@ class StreamingLLM(ScorePolicy):
     """Sink + recent window, same count per head."""
 
     name: ClassVar[str] = "streamingllm"
+    STREAMS: ClassVar[bool] = True
     RECOMPRESSES: ClassVar[bool] = True
 
     ratio: float | None = 0.5

@@ -52,6 +52,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
         help="operator compression config (YAML, see docs/operator_config.md); default: no "
         "compression unless a request asks, every policy allowed",
     )
+    group.add_argument(
+        "--allow-prompts-beyond-kv-cache", action="store_true",
+        help="start even if --max-model-len tokens do not fit the KV cache: requests compressing during "
+        "prefill (prefill=stream) can then use prompts longer than the cache; others get HTTP 400",
+    )
     vllm_defaults = {name: parser.get_default(name) for name in PLATFORM_FLAGS}
     parser.set_defaults(model=None, **dict.fromkeys(PLATFORM_FLAGS))
     return parser, vllm_defaults
@@ -80,7 +85,8 @@ def prepare(args: argparse.Namespace, vllm_defaults: dict[str, Any], on_cpu: boo
         args.kv_compression_config = str(Path(args.kv_compression_config).resolve())
     operator = OperatorConfig.for_server(args.kv_compression_config, args.model)  # fail now, not on a request
     if args.kv_transfer_config is None:
-        args.kv_transfer_config = KVTransferConfig(**kv_transfer_config(dict(operator.profiles) or None))
+        args.kv_transfer_config = KVTransferConfig(**kv_transfer_config(
+            dict(operator.profiles) or None, long_prompts=args.allow_prompts_beyond_kv_cache))
     elif args.kv_transfer_config.kv_connector != CONNECTOR_NAME:
         raise ValueError(
             f"--kv-transfer-config: kv_connector is {args.kv_transfer_config.kv_connector!r}; "

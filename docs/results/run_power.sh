@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The powered quality evaluation (issue #17): bundled SmolLM2 on vLLM CPU (float32), 2K tokens.
+#
+#   bash docs/results/run_power.sh            # run, or resume after an interruption
+#   REPORT_ONLY=1 bash docs/results/run_power.sh   # rebuild power.md and the plots only
+#
+# What it runs (one `vllm-kvcomp eval`, all through the server, every request with its own
+# X-KV-Compression header, greedy decoding, sample prompts fixed by --seed 0):
+#   * full + the 9 compressing policies at ratios 0.5 and 0.25 (19 conditions), 10 samples per
+#     (task, condition) on passkey5, passkey64, niah, multi_niah, multiturn;
+#   * the cells the papers' claims read (vllm_kvcomp/eval/claims.py) get 20 samples, plus the
+#     three conditions only the claims need: razor at ~3x (razor:buffer=64:ratio=0.07), snapkv
+#     at the same memory (snapkv:ratio=0.3) and entropy with uniform layer budgets
+#     (entropy:min_ratio=1:max_ratio=1:ratio=0.25);
+#   * the LagKV lag sweep at ratio 0.25: lag 32, 64, 256 (lag 128 is the default `lagkv`);
+#   * snapkv with a 31-wide pooling kernel at 0.25 (docs/results/niah_investigation.md: the
+#     default 7 keeps only the first digits of a needle on this digit-per-token tokenizer).
+# 26 conditions, 1500 samples, 1780 requests (multiturn sends two).
+#
+# Output: docs/results/power.jsonl (one line per sample; appended, so re-running resumes and
+# only sends what is missing), docs/results/power.md (table with n and Wilson 95% intervals per
+# cell, the claims' verdicts, the lag sweep), docs/results/power/*.png (accuracy_<task>,
+# memory_<task> = accuracy vs KV held in decode, heatmap_<task>_<condition>).
+#
+# Wall time on this project's 2-core CPU machine, from the 2026-11-23 pilot (19 passkey5
+# requests at 2K, concurrency 2, 12 min) and the reference run's per-task latencies at 2K:
+#   ~3.2 h with the machine to itself (reference-run rate: 10.6-19 s per request by task, 2 in
+#   flight); ~17 h at the pilot's load (load average ~18 from other jobs: 67 s per request,
+#   5.5x slower; a 50-request niah run the same afternoon took 33 min). Interrupt and re-run
+#   freely; samples go out sample-major (index 0 of every cell, then index 1, ...), so a
+#   partial run leaves every cell with about the same n.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PORT=${PORT:-8766}
+OUT=docs/results/power.jsonl
+SUMMARY=docs/results/power.md
+PLOTS=docs/results/power
+POLICIES="full,streamingllm,snapkv,h2o,knorm,sagekv,lagkv,entropy,razor,pod"
+POLICIES+=",razor:buffer=64:ratio=0.07,snapkv:ratio=0.3,entropy:min_ratio=1:max_ratio=1:ratio=0.25"
+POLICIES+=",lagkv:lag=32:ratio=0.25,lagkv:lag=64:ratio=0.25,lagkv:lag=256:ratio=0.25"
+POLICIES+=",snapkv:kernel=31:ratio=0.25"
+EVAL=(python3 -m vllm_kvcomp eval --model SmolLM2-135M-Instruct
+      --tasks passkey5,passkey64,niah,multi_niah,multiturn --policies "$POLICIES"
+      --ratios 0.5,0.25 --lengths 2k --depths 0,25,50,75,100
+      --samples "${SAMPLES:-10}" --claim-samples "${CLAIM_SAMPLES:-20}" --seed 0
+      --out "$OUT" --summary "$SUMMARY" --plots "$PLOTS")
+if [[ -n "${REPORT_ONLY:-}" ]]; then
+  exec "${EVAL[@]}" --report-only
+fi
+python3 -m vllm_kvcomp serve --host 127.0.0.1 --port "$PORT" \
+  --kv-compression-config docs/results/operator.yaml &
+SERVER=$!
+trap 'kill "$SERVER" 2>/dev/null || true' EXIT
+for _ in $(seq 300); do
+  curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
+  kill -0 "$SERVER" 2>/dev/null || { echo "server exited during start" >&2; exit 1; }
+  sleep 2
+done
+"${EVAL[@]}" --url "http://127.0.0.1:$PORT" --concurrency 2 --max-errors 50
