@@ -7,10 +7,24 @@ request against them) and the policies (which read them). Depends on nothing els
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
 Scalar = int | float | str | bool
+#: A number written as text: ASCII digits only (``float()`` would also take "０.２５", "1_000",
+#: "inf" or surrounding unicode spaces).
+NUMBER_TEXT = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
+#: Longest value quoted back in an error message.
+SHOWN_CHARS = 40
+
+
+def show(value: Any) -> str:
+    """``repr(value)`` for error messages, cut to :data:`SHOWN_CHARS` characters."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**SHOWN_CHARS:
+        return f"an integer of {len(str(abs(value)))} digits"
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
 
 
 class SpecError(ValueError):
@@ -42,8 +56,8 @@ class Param:
         if self.choices:
             return ", ".join(self.choices)
         kind = "integer" if self.kind is int else "number" if self.kind is float else "string"
-        lo = "-inf" if self.low is None else f"{self.low:g}"
-        hi = "inf" if self.high is None else f"{self.high:g}"
+        lo = "-inf" if self.low is None else _fmt(int(self.low) if self.kind is int else self.low)
+        hi = "inf" if self.high is None else _fmt(int(self.high) if self.kind is int else self.high)
         if self.kind is float and self.low == 0.0 and self.high == 1.0 and self.name == "ratio":
             return "a number in (0, 1]"
         return f"{kind} in [{lo}, {hi}]"
@@ -54,30 +68,46 @@ class Param:
             return None
         if self.kind is str:
             if not isinstance(value, str):
-                raise SpecError(self.name, f"expected a string, got {value!r}", self.allowed())
+                raise SpecError(self.name, f"expected a string, got {show(value)}", self.allowed())
             text = value.strip().lower()
             if self.choices and text not in self.choices:
-                raise SpecError(self.name, f"unknown value {value!r}", self.allowed())
+                raise SpecError(self.name, f"unknown value {show(value)}", self.allowed())
             return text
-        if isinstance(value, bool):
-            raise SpecError(self.name, f"expected a number, got {value!r}", self.allowed())
-        try:
-            number = float(value) if isinstance(value, str) else value
-            if self.kind is int:
-                if isinstance(number, float) and not number.is_integer():
-                    raise ValueError
-                number = int(number)
-            else:
-                number = float(number)
-        except (TypeError, ValueError, OverflowError):
-            raise SpecError(self.name, f"not a valid {self.kind.__name__}: {value!r}", self.allowed()) from None
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise SpecError(self.name, f"expected a number, got {show(value)}", self.allowed())
+        number = self._number(value)
         if isinstance(number, float) and not math.isfinite(number):
-            raise SpecError(self.name, f"must be finite, got {value!r}", self.allowed())
+            raise SpecError(self.name, f"must be finite, got {show(value)}", self.allowed())
         if self.low is not None and number < self.low:
-            raise SpecError(self.name, f"{number:g} is below the minimum", self.allowed())
+            raise SpecError(self.name, f"{_fmt(number)} is below the minimum", self.allowed())
         if self.high is not None and number > self.high:
-            raise SpecError(self.name, f"{number:g} is above the maximum", self.allowed())
+            raise SpecError(self.name, f"{_fmt(number)} is above the maximum", self.allowed())
         return number
+
+    def _number(self, value: int | float | str) -> int | float:
+        """``value`` as this param's number type; text must be an ASCII decimal number."""
+        number = value
+        if isinstance(value, str):
+            text = value.strip(" \t")
+            if not NUMBER_TEXT.fullmatch(text):
+                raise SpecError(self.name, f"not a valid {self.kind.__name__}: {show(value)}",
+                                f"{self.allowed()}, in ASCII digits")
+            number = float(text)
+        if self.kind is float:
+            try:
+                return float(number)
+            except OverflowError:  # an integer beyond float range
+                return math.inf if number > 0 else -math.inf
+        if isinstance(number, float) and not number.is_integer():
+            raise SpecError(self.name, f"not a valid int: {show(value)}", self.allowed())
+        return int(number)
+
+
+def _fmt(number: int | float) -> str:
+    """A number for an error message (huge integers are not converted to float)."""
+    if isinstance(number, int):
+        return str(number) if abs(number) < 10**SHOWN_CHARS else show(number)
+    return f"{number:g}"
 
 
 # Fields every policy may understand; a policy declares which of them it uses.

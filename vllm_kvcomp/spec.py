@@ -11,15 +11,16 @@ e.g. ``policy=lagkv; ratio=0.25; lag=128``. A bare word is the policy (``snapkv;
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from vllm_kvcomp.params import COMMON_PARAMS, Scalar, SpecError
+from vllm_kvcomp.params import COMMON_PARAMS, NUMBER_TEXT, Scalar, SpecError, show
 from vllm_kvcomp.policies.registry import POLICY_NAMES, get_policy_class
 
 XARGS_PREFIX = "kvcomp_"
 MAX_HEADER_LENGTH = 1024
+HEADER_SPACES = " \t"  # HTTP's optional whitespace; anything else is part of a key or value
 SPEC_FIELDS = ("policy", *COMMON_PARAMS)
 
 
@@ -58,7 +59,7 @@ class CompressionSpec:
     def _from_mapping(cls, data: Mapping[str, Any]) -> CompressionSpec:
         if not isinstance(data, Mapping):
             raise SpecError("kv_compression", f"expected an object, got {type(data).__name__}")
-        items = {str(k).strip().lower(): v for k, v in data.items()}
+        items = {key: value for key, (_, value) in setting_items(data.items()).items()}
         if "policy" not in items and items:
             raise SpecError("policy", f"missing: settings {sorted(items)} need a policy",
                             ", ".join((*POLICY_NAMES, "none")))
@@ -98,13 +99,14 @@ class CompressionSpec:
         """Read flat ``kvcomp_*`` keys from ``SamplingParams.extra_args``; None if there are none."""
         if not extra_args:
             return None
-        flat = {k[len(XARGS_PREFIX):]: v for k, v in extra_args.items() if k.startswith(XARGS_PREFIX)}
-        if not flat:
+        found = setting_items(extra_args.items(), XARGS_PREFIX)
+        if not found:
             return None
         try:
-            return cls.from_mapping(flat)
+            return cls.from_mapping({key: value for key, (_, value) in found.items()})
         except SpecError as err:
-            raise SpecError(XARGS_PREFIX + err.field, err.message, err.allowed) from None
+            written = found[err.field][0] if err.field in found else XARGS_PREFIX + err.field
+            raise SpecError(written, err.message, err.allowed) from None
 
     # ----------------------------------------------------------------- views
     @property
@@ -154,6 +156,54 @@ class CompressionSpec:
         return get_policy_class(self.policy).from_settings(self.settings())
 
 
+def setting_items(items: Iterable[tuple[Any, Any]], prefix: str = "") -> dict[str, tuple[str, Any]]:
+    """``{key: (key as written, value)}`` of the ``items`` whose key starts with ``prefix``.
+
+    Keys are case-insensitive and stripped; ``key`` is lower-case without the prefix. The same
+    key twice (a case variant, or a JSON object's duplicate key passed in ``items``) is fine with
+    the same value and a SpecError naming both with different values.
+    """
+    out: dict[str, tuple[str, Any]] = {}
+    for raw_key, value in items:
+        written = str(raw_key)
+        key = written.strip().lower()
+        if not key.startswith(prefix):
+            continue
+        key = key[len(prefix):]
+        if key in out and not same_value(out[key][1], value):
+            first, before = out[key]
+            raise SpecError(
+                written,
+                f"given twice with different values: {first}={show(before)} and {written}={show(value)}",
+                "each key once (keys are case-insensitive)",
+            )
+        out.setdefault(key, (written, value))
+    return out
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Whether two JSON values given for one key say the same: text case and spaces aside, and a
+    number the same as its text (``0.3`` and ``"0.30"``)."""
+    x, y = _as_number(a), _as_number(b)
+    if x is not None and y is not None:
+        return x == y
+    if isinstance(a, str) and isinstance(b, str):
+        return a.strip().lower() == b.strip().lower()
+    return type(a) is type(b) and a == b
+
+
+def _as_number(value: Any) -> float | None:
+    """``value`` as a float if it is a number or an ASCII number's text, else None."""
+    if isinstance(value, str) and NUMBER_TEXT.fullmatch(value.strip(" \t")):
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
+
+
 def parse_header(header: str) -> dict[str, str]:
     """Split a header value into a raw ``{key: value}`` dict; raises SpecError when malformed."""
     if not isinstance(header, str):
@@ -162,7 +212,7 @@ def parse_header(header: str) -> dict[str, str]:
         raise SpecError("X-KV-Compression", f"header is {len(header)} characters long",
                         f"at most {MAX_HEADER_LENGTH} characters")
     out: dict[str, str] = {}
-    parts = [p.strip() for p in header.split(";")]
+    parts = [p.strip(HEADER_SPACES) for p in header.split(";")]
     if not any(parts):
         raise SpecError("X-KV-Compression", "header is empty", "policy=NAME; key=value; ...")
     for i, part in enumerate(parts):
@@ -174,7 +224,7 @@ def parse_header(header: str) -> dict[str, str]:
                 continue
             raise SpecError("X-KV-Compression", f"malformed entry {part!r}", "key=value pairs separated by ';'")
         key, _, value = part.partition("=")
-        key, value = key.strip().lower(), value.strip()
+        key, value = key.strip(HEADER_SPACES).lower(), value.strip(HEADER_SPACES)
         if not key or not value:
             raise SpecError("X-KV-Compression", f"malformed entry {part!r}", "key=value pairs separated by ';'")
         if key in out:

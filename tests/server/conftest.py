@@ -1,13 +1,15 @@
 """One live ``vllm-kvcomp serve`` (tiny random Llama, CPU) shared by every live server test.
 
 Started as ``python -m vllm_kvcomp serve`` on 127.0.0.1 and a free port with only the flags a
-test setup needs (block size, a small block pool, the operator config below): dtype, eager mode,
-max model length and the memory fraction come from the CLI's CPU defaults. Killed at the end;
-a failing test that used it gets the tail of the server log in its report.
+test setup needs (block size, a small block pool, the operator config below, the scale-out
+routes): dtype, eager mode, max model length and the memory fraction come from the CLI's CPU
+defaults. Killed at the end; a failing test that used it gets the tail of the server log in its
+report. :func:`serving` starts another one (test_live_policies.py: the README set-up).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -16,6 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,22 +87,23 @@ def _stop(process: subprocess.Popen) -> None:
         process.wait(timeout=10)
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Server:
-    root = tmp_path_factory.mktemp("server")
-    model = make_tiny_llama(root / "tiny", **TINY)
+@contextlib.contextmanager
+def serving(root: Path, model: Path, config: str | None, *extra: str) -> Iterator[Server]:
+    """``python -m vllm_kvcomp serve MODEL`` on a free port with ``config`` (None: no config file)."""
     config_path = root / "operator.yaml"
-    config_path.write_text(OPERATOR_CONFIG)
-    port = _free_port()
-    state = Server(f"http://127.0.0.1:{port}", str(model), config_path, root / "server.log")
     command = [
         sys.executable, "-m", "vllm_kvcomp", "serve", str(model),
-        "--host", "127.0.0.1", "--port", str(port),
-        "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(NUM_BLOCKS),
-        "--kv-compression-config", str(config_path),
+        "--host", "127.0.0.1", "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(NUM_BLOCKS),
+        *extra,
     ]
+    if config is not None:
+        config_path.write_text(config)
+        command += ["--kv-compression-config", str(config_path)]
+    port = _free_port()
+    state = Server(f"http://127.0.0.1:{port}", str(model), config_path, root / "server.log")
     with state.log_path.open("wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen([*command, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while not _healthy(state.url):
@@ -111,14 +115,23 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Server:
         _stop(process)
 
 
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The shared server: the operator config above, the scale-out routes enabled."""
+    root = tmp_path_factory.mktemp("server")
+    model = make_tiny_llama(root / "tiny", **TINY)
+    with serving(root, model, OPERATOR_CONFIG, "--enable-scale-out") as state:
+        yield state
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Attach the server log tail to failing tests that used the live server."""
     outcome = yield
     report = outcome.get_result()
-    server_state = getattr(item, "funcargs", {}).get("server")
-    if report.failed and isinstance(server_state, Server):
-        report.sections.append(("server log (tail)", server_state.log_tail()))
+    for server_state in getattr(item, "funcargs", {}).values():
+        if report.failed and isinstance(server_state, Server):
+            report.sections.append((f"server log (tail) {server_state.url}", server_state.log_tail()))
 
 
 # ---------------------------------------------------------------------------- helpers for tests

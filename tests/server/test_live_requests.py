@@ -235,8 +235,9 @@ def test_other_routes_refuse_compression_settings_and_pass_everything_else(serve
         plain = http.post("/tokenize", json={"model": server.model, "prompt": "hello world"})
         refused = http.post("/tokenize", json={"model": server.model, "prompt": "hello world"},
                             headers={HEADER: "snapkv; ratio=0.5"})
-        refused_xargs = http.post("/v1/responses", json={"model": server.model, "input": "hello",
-                                                         "vllm_xargs": {"kvcomp_policy": "snapkv"}})
+        refused_xargs = http.post("/v1/messages/count_tokens", json={
+            "model": server.model, "messages": [{"role": "user", "content": "hello"}],
+            "vllm_xargs": {"kvcomp_policy": "snapkv"}})
     assert plain.status_code == 200 and plain.json()["count"] > 0
     assert APPLIED not in plain.headers
     assert refused.status_code == 400 and refused.json()["error"]["param"] == HEADER

@@ -186,7 +186,7 @@ ERRORS = {
     "non-numeric": ({HEADER: "snapkv; ratio=lots"}, {}, "X-KV-Compression.ratio", "(0, 1]"),
     "out of range": ({HEADER: "snapkv; window=-3"}, {}, "X-KV-Compression.window", "integer in [0,"),
     "outside bounds": ({HEADER: "snapkv; budget=8"}, {}, "X-KV-Compression.budget", "[64, 1048576]"),
-    "unknown key": ({HEADER: "snapkv; lag=4"}, {}, "X-KV-Compression.lag", "policy, ratio"),
+    "unknown key": ({HEADER: "snapkv; lag=4"}, {}, "X-KV-Compression.lag", "kernel"),
     "needs a profile": ({HEADER: "pod"}, {}, "X-KV-Compression.policy", "snapkv"),
     "malformed": ({HEADER: "snapkv; =3"}, {}, "X-KV-Compression", "key=value"),
     "key twice": ({HEADER: "snapkv; ratio=0.5; ratio=0.4"}, {}, "X-KV-Compression.ratio", "each key once"),
@@ -196,7 +196,7 @@ ERRORS = {
     "body not an object": ({}, {"kv_compression": ["snapkv"]}, "kv_compression", '"policy"'),
     "body value": ({}, {"kv_compression": {"policy": "snapkv", "ratio": True}}, "kv_compression.ratio", "(0, 1]"),
     "xargs key": ({}, {"vllm_xargs": {"kvcomp_policy": "snapkv", "kvcomp_lag": 3}}, "vllm_xargs.kvcomp_lag",
-                  "policy, ratio"),
+                  "kernel"),
     "xargs disallowed by bounds": ({}, {"vllm_xargs": {"kvcomp_policy": "snapkv", "kvcomp_ratio": 0.01}},
                                    "vllm_xargs.kvcomp_ratio", "[0.05, 1]"),
     "disagreeing sources": ({HEADER: "snapkv"}, {"vllm_xargs": {"kvcomp_policy": "h2o"}}, "vllm_xargs",
@@ -230,20 +230,28 @@ def test_other_routes_refuse_compression_settings_and_pass_the_rest_untouched():
     assert client.get("/v1/models", headers={HEADER: "snapkv"}).status_code == 200  # not a POST
     refused = [
         client.post("/tokenize", content=raw, headers={HEADER: "snapkv", "content-type": "application/json"}),
-        client.post("/v1/responses", json={"input": "x", "kv_compression": {"policy": "snapkv"}}),
-        client.post("/v1/responses", json={"input": "x", "vllm_xargs": {"kvcomp_policy": "snapkv"}}),
+        client.post("/generative_scoring", json={"query": "x", "kv_compression": {"policy": "snapkv"}}),
+        client.post("/v1/systemone", json={"input": "x", "vllm_xargs": {"kvcomp_policy": "snapkv"}}),
         client.post("/v1/audio/transcriptions", files={"file": b"..."}, headers={HEADER: "snapkv"}),
     ]
     assert [error_of(r)["param"] for r in refused] == [HEADER, "kv_compression", "vllm_xargs", HEADER]
+    assert "/generative_scoring" in error_of(refused[1])["message"]
     assert len(stub.requests) == 2
 
 
-def test_a_body_vllm_cannot_parse_is_left_to_vllm():
-    stub = Stub(reply=lambda scope, send: send_json(send, 400, {"error": {"message": "bad json"}}))
+def test_a_body_that_is_not_json_gets_a_400_and_is_not_forwarded():
+    stub = Stub()
     response = make(stub).post(CHAT, content=b"{not json", headers={HEADER: "snapkv", "content-type": "application/json"})
-    assert response.status_code == 400 and response.json()["error"]["message"] == "bad json"
-    assert stub.requests[0]["raw"] == b"{not json"
-    assert APPLIED not in response.headers
+    assert error_of(response)["param"] == "body" and "not valid JSON" in response.json()["error"]["message"]
+    assert stub.requests == [] and APPLIED not in response.headers
+
+
+def test_an_empty_body_or_json_that_is_not_an_object_is_left_to_vllm():
+    stub = Stub(reply=lambda scope, send: send_json(send, 422, {"error": {"message": "vLLM says no"}}))
+    client = make(stub)
+    for content in (b"", b"[1, 2]"):
+        response = client.post(CHAT, content=content, headers={"content-type": "application/json"})
+        assert response.status_code == 422 and stub.requests[-1]["raw"] == content
 
 
 @settings(max_examples=60, deadline=None)

@@ -12,6 +12,7 @@ import yaml
 from vllm_kvcomp.params import SpecError
 from vllm_kvcomp.policies.registry import POLICY_NAMES
 from vllm_kvcomp.server.operator_config import (
+    DEFAULT_MIN_INTERVAL,
     Bounds,
     ConfigError,
     OperatorConfig,
@@ -193,7 +194,7 @@ def test_bounds_accept_their_edges():
         ({"bounds": {"min_budget": 10, "max_budget": 5}}, "bounds.min_budget", "above bounds.max_budget"),
         ({"policies": {"nope": {}}}, "policies.nope", "unknown key"),
         ({"policies": {"lagkv": {"ratio": 2}}}, "policies.lagkv.ratio", "above the maximum"),
-        ({"policies": {"lagkv": {"window": 2}}}, "policies.lagkv.window", "allowed: policy, ratio"),
+        ({"policies": {"lagkv": {"window": 2}}}, "policies.lagkv.window", "unknown key for policy 'lagkv'"),
         ({"policies": {"lagkv": {"policy": "lagkv"}}}, "policies.lagkv.policy", "key above"),
         ({"policies": {"snapkv": {"ratio": 0.5, "budget": 9}}}, "policies.snapkv.budget", "not both"),
         ({"bounds": {"max_window": 8}}, "policies.snapkv.window", "set policies.snapkv.window"),
@@ -288,3 +289,30 @@ def test_client_cannot_pick_another_profile_than_the_served_one():
     with pytest.raises(SpecError) as err:
         config.resolve(CompressionSpec.from_mapping({"policy": "razor", "profile": "other"}))
     assert err.value.field == "profile"
+
+
+# ---------------------------------------------------------------------------- issue #20 item 6: the interval floor
+
+
+def test_the_default_floor_refuses_frequent_recompression_and_keeps_builtin_defaults():
+    cfg = OperatorConfig.default()
+    assert cfg.bounds.min_interval == DEFAULT_MIN_INTERVAL == 16
+    for header, field in (("streamingllm; interval=1", "interval"), ("h2o; interval=15", "interval"),
+                          ("sagekv; interval=8", "interval"), ("entropy; interval=2", "interval"),
+                          ("lagkv; lag=8", "lag")):
+        with pytest.raises(SpecError) as err:
+            cfg.resolve(spec(header))
+        assert err.value.field == field and err.value.allowed.startswith("an integer >= 16")
+    assert cfg.resolve(spec("lagkv; lag=16")).lag == 16
+    assert cfg.resolve(spec("h2o; interval=16")).interval == 16
+    for name in cfg.allow:  # every built-in default within the floor: nothing for the operator to set
+        cfg.check_builtin_defaults(name)
+
+
+def test_a_floor_above_a_builtin_interval_must_set_that_policy():
+    with pytest.raises(ConfigError) as err:
+        OperatorConfig.validate_mapping({"bounds": {"min_interval": 32}, "allow": ["full", "h2o"]})
+    assert err.value.path == "policies.h2o.interval"
+    ok = OperatorConfig.validate_mapping({"bounds": {"min_interval": 32}, "allow": ["full", "h2o", "lagkv"],
+                                          "policies": {"h2o": {"interval": 32}}})
+    assert ok.resolve(spec("lagkv")).build_policy().lag == 128  # the built-in lag is above the floor

@@ -1,10 +1,14 @@
 """ASGI middleware (``--middleware vllm_kvcomp.server.middleware.KVCompressionMiddleware``).
 
-On ``POST /v1/chat/completions`` and ``/v1/completions`` it buffers the JSON body, resolves the
-request's compression spec (protocol.py) and forwards the body with the final ``kvcomp_*`` keys
-in ``vllm_xargs``, or answers HTTP 400 itself so that nothing reaches the engine. Successful
-responses get ``X-KV-Compression-Applied`` and ``usage.kv_compression`` (in a stream: on the
-final chunk). Other POST routes refuse compression settings instead of ignoring them.
+Every POST with a body it can read is checked here, before vLLM sees it. On a route of
+:data:`protocol.ROUTES` (the routes whose requests reach the engine with ``SamplingParams``) it
+buffers the JSON body, resolves the request's one compression spec through the operator config
+(protocol.py) and forwards the body with the resolved ``kvcomp_*`` keys in the place that route
+reads, or answers HTTP 400 itself so that nothing reaches the engine. Successful responses get
+``X-KV-Compression-Applied`` and, where the route reports usage, ``usage.kv_compression`` (in a
+stream: on the final chunk). Every other POST route refuses compression settings instead of
+ignoring them. A JSON body that cannot be parsed (syntax, nesting deeper than
+``protocol.MAX_JSON_DEPTH``, an integer too long to convert) is answered with a 400 here.
 
 The operator config is the ``--kv-compression-config`` value that ``vllm-kvcomp serve`` adds to
 vLLM's arguments (``app.state.args``); without it every request gets the default config.
@@ -45,27 +49,30 @@ class KVCompressionMiddleware:
             await self.app(scope, receive, send)
             return
         headers = [v.decode("latin-1") for k, v in scope["headers"] if k.lower() == HEADER_KEY]
-        compressible = scope["path"] in protocol.COMPRESSION_ROUTES
-        if not (compressible or headers or _is_json(scope)):
+        route = protocol.ROUTES.get(scope["path"])
+        content = _content_kind(scope)
+        if route is None and not headers and content == "other":
             await self.app(scope, receive, send)
             return
         raw = await _read_body(receive)
         if raw is None:  # the client went away before sending its body
             return
         self._setup(scope)
-        body = _json_object(raw)
         spec: CompressionSpec | None = None
         try:
-            if not compressible:
-                protocol.refuse_elsewhere(headers, body)
-            elif body is not None:  # a body vLLM cannot parse either is vLLM's to refuse
-                spec = protocol.resolve(self._config, headers, body)
-                raw = _dump(protocol.rewrite_body(body, spec))
+            if route is None:
+                body = await _form(scope, raw) if content == "form" else _json_body(raw)
+                protocol.refuse_elsewhere(scope["path"], headers, body)
+            elif raw.strip():  # an empty body is vLLM's to refuse
+                body = protocol.parse_json(raw)
+                if isinstance(body, dict):  # another JSON value is vLLM's to refuse
+                    spec = protocol.resolve(self._config, headers, body)
+                    raw = _dump(protocol.rewrite_body(body, spec, route.target))
         except protocol.RequestError as err:
             await _send_json(send, 400, err.to_json())
             return
         if spec is not None:
-            send = _ResponseRewriter(send, spec, self._tap, completion=scope["path"] == protocol.COMPLETION_ROUTE)
+            send = _ResponseRewriter(send, spec, self._tap, route.results)
         await self.app(_with_length(scope, len(raw)), _replay(raw, receive), send)
 
     def _setup(self, scope: Scope) -> None:
@@ -86,11 +93,11 @@ class KVCompressionMiddleware:
 class _ResponseRewriter:
     """``send`` that adds the applied header and the usage extension to successful responses."""
 
-    def __init__(self, send: Send, spec: CompressionSpec, tap: ResultTap | None, completion: bool):
+    def __init__(self, send: Send, spec: CompressionSpec, tap: ResultTap | None, results: str | None):
         self._send = send
         self._applied = protocol.applied_header(spec).encode("latin-1")
-        self._tap = tap
-        self._completion = completion
+        self._tap = tap if results is not None else None
+        self._results = results
         self._mode = "pass"  # "json": buffered and rewritten, "sse": events rewritten, "pass"
         self._start: Message | None = None
         self._chunks: list[bytes] = []
@@ -178,9 +185,13 @@ class _ResponseRewriter:
         """``usage.kv_compression`` for the response with this ``id``, if the engine reported it."""
         if self._tap is None or data is None or not isinstance(data.get("id"), str):
             return None
-        response_id = data["id"]
-        if self._completion:
-            results = self._tap.pop_completion(response_id)
+        response_id, mode = data["id"], self._results
+        if mode == "by_object":  # /invocations answers as chat or as completions
+            mode = "prompts" if data.get("object") == "text_completion" else "one"
+        if mode == "prompts":
+            results = self._tap.pop_numbered(response_id, "-")
+        elif mode == "numbered":
+            results = self._tap.pop_numbered(response_id, "_")
         else:
             results = [r for r in (self._tap.pop(response_id),) if r is not None]
         return protocol.usage_extension(results) if results else None
@@ -221,19 +232,57 @@ def _with_length(scope: Scope, length: int) -> Scope:
 
 
 def _dump(data: Any) -> bytes:
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+    """Compact UTF-8 JSON; ``\\u`` escapes where the text holds lone surrogates (valid JSON escapes)."""
+    try:
+        return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:
+        return json.dumps(data, separators=(",", ":")).encode()
 
 
 def _json_object(raw: bytes) -> dict[str, Any] | None:
+    """A JSON object vLLM wrote (a response or stream chunk), or None."""
     try:
         data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):
         return None
     return data if isinstance(data, dict) else None
 
 
-def _is_json(scope: Scope) -> bool:
-    return _header(scope["headers"], b"content-type").startswith(b"application/json")
+def _content_kind(scope: Scope) -> str:
+    """``json`` (declared, or not declared at all), ``form`` or ``other``."""
+    content_type = _header(scope["headers"], b"content-type").split(b";")[0].strip()
+    if content_type in (b"", b"application/json") or content_type.endswith(b"+json"):
+        return "json"
+    if content_type in (b"multipart/form-data", b"application/x-www-form-urlencoded"):
+        return "form"
+    return "other"
+
+
+def _json_body(raw: bytes) -> Any:
+    """The body of a request outside the compression routes as JSON: None if it is not JSON
+    (vLLM refuses it), RequestError if it is JSON that cannot be parsed safely."""
+    start = raw.lstrip()[:1]
+    return protocol.parse_json(raw) if start in (b"{", b"[") else None
+
+
+async def _form(scope: Scope, raw: bytes) -> protocol.JsonObject | None:
+    """The fields of a form body (audio routes send ``vllm_xargs`` as a JSON text field)."""
+    from starlette.requests import Request
+
+    try:
+        form = await Request(scope, _replay(raw, _no_more)).form()
+    except Exception:  # a form starlette cannot parse: vLLM refuses it the same way
+        return None
+    try:
+        fields = [(key, _json_body(value.encode("utf-8", "surrogatepass")) if key == protocol.XARGS_FIELD else value)
+                  for key, value in form.multi_items() if isinstance(value, str)]
+        return protocol.JsonObject(fields)
+    finally:
+        await form.close()
+
+
+async def _no_more() -> Message:
+    return {"type": "http.disconnect"}
 
 
 def _header(headers: Any, name: bytes) -> bytes:

@@ -5,7 +5,7 @@ A YAML file (every key optional)::
     default: {policy: full}            # spec for requests that say nothing (or "lagkv; ratio=0.25")
     allow: [full, snapkv, lagkv]       # policies clients may ask for (default: all)
     bounds: {min_ratio: 0.05, max_ratio: 1.0, min_budget: 64, max_budget: 1048576,
-             max_window: 512, min_interval: 1}
+             max_window: 512, min_interval: 16}
     policies:                          # per-policy defaults under what a request sets
       lagkv: {ratio: 0.25, lag: 128, sink: 16}
     profiles:                          # calibration profiles: a name in <model>/kvcomp_profiles/
@@ -42,8 +42,13 @@ from vllm_kvcomp.spec import CompressionSpec, parse_header
 
 PolicyName = Literal[POLICY_NAMES]  # type: ignore[valid-type]
 ProfileKind = Literal[PROFILE_KINDS]  # type: ignore[valid-type]
-# Effective policy fields that ``bounds`` limits.
-BOUNDED_FIELDS = ("ratio", "budget", "window", "interval")
+# Effective policy fields that ``bounds`` limits (``lag``: LagKV recompresses every ``lag`` steps).
+BOUNDED_FIELDS = ("ratio", "budget", "window", "interval", "lag")
+#: Default ``bounds.min_interval``: decode steps between two compressions of one request. One
+#: compression of a 2K-token request on the bundled model costs about as much as a few decode
+#: steps (docs/operator_config.md has the measurements), so one compression per 16 steps keeps
+#: the neighbours' slowdown near 10%; it is also the built-in default of every policy's interval.
+DEFAULT_MIN_INTERVAL = 16
 
 
 class ConfigError(ValueError):
@@ -79,7 +84,10 @@ class Bounds(_Model):
     min_budget: int = Field(64, ge=1, description="smallest kept-token budget per head")
     max_budget: int = Field(1 << 20, ge=1, description="largest kept-token budget per head")
     max_window: int = Field(512, ge=0, description="largest observation/recent window")
-    min_interval: int = Field(1, ge=1, description="fewest decode steps between recompressions")
+    min_interval: int = Field(
+        DEFAULT_MIN_INTERVAL, ge=1,
+        description="fewest decode steps between recompressions (interval; lagkv: lag)",
+    )
 
     def check(self, policy: Any) -> None:
         """SpecError naming the first field of ``policy`` (a built policy) outside the bounds."""
@@ -88,6 +96,7 @@ class Bounds(_Model):
             "budget": (self.min_budget, self.max_budget, "an integer in [{lo}, {hi}]"),
             "window": (0, self.max_window, "an integer in [{lo}, {hi}]"),
             "interval": (self.min_interval, None, "an integer >= {lo}"),
+            "lag": (self.min_interval, None, "an integer >= {lo}: lagkv recompresses every `lag` decode steps"),
         }
         for name in BOUNDED_FIELDS:
             value = getattr(policy, name, None)

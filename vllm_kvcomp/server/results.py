@@ -67,9 +67,11 @@ class ResultTap:
     def pop(self, request_id: str) -> Result | None:
         return self._results.pop(request_id, None)
 
-    def pop_completion(self, response_id: str) -> list[Result]:
-        """Results of a completion response: its prompts ran as ``<id>-0``, ``<id>-1``, ..."""
+    def pop_numbered(self, response_id: str, separator: str) -> list[Result]:
+        """Results of a response whose engine requests ran as ``<id><separator>0``, ``...1``, ...:
+        the prompts of a completion (``-``), a batch's conversations or a Responses API turn's
+        engine calls (``_``)."""
         results = []
-        while (result := self.pop(f"{response_id}-{len(results)}")) is not None:
+        while (result := self.pop(f"{response_id}{separator}{len(results)}")) is not None:
             results.append(result)
         return results
