@@ -34,6 +34,10 @@ request, greedy decoding. The timing, which the vLLM integration must reproduce 
    steps_since=S)`` — M = max live tokens over all layers and heads (kept + appended), S = decode
    forwards since the last compression — step 2 runs again on the current stores.
 
+Hybrid models: a layer HF runs with a ``sliding_window`` attends its last ``sliding_window``
+tokens and is never compressed (the engine leaves such layers to vLLM); policies see only the
+full-attention layers, by their model layer index.
+
 Compression records ``step`` = decode forwards done so far (0 = right after prefill). Query
 windows roll across prefill and decode: always the last w queries processed. Generation stops
 after ``max_new_tokens`` tokens or at a token in ``stop_token_ids`` (included in the output).
@@ -150,7 +154,12 @@ class _Session:
         self.num_layers = num_layers
         self.window = window
         self.layers: list[_LayerStore | None] = [None] * num_layers
+        self.sliding: dict[int, int] = {}  # layer -> sliding window: attends its window, never compressed
         self.new_positions = torch.zeros(0, dtype=torch.long)  # [T] of the running forward
+
+    def compressed_layers(self) -> list[int]:
+        """The layers a policy compresses: every full-attention layer."""
+        return [i for i in range(self.num_layers) if i not in self.sliding]
 
     def store(self, layer: int) -> _LayerStore:
         store = self.layers[layer]
@@ -159,15 +168,18 @@ class _Session:
         return store
 
     def max_live(self) -> int:
-        return max(max(self.store(i).lengths()) for i in range(self.num_layers))
+        return max(max(self.store(i).lengths()) for i in self.compressed_layers())
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding: int | None = None
     ) -> torch.Tensor:
         """q [H_q, T, D], k/v [H_kv, T, D] of the new tokens -> attention output [T, H_q, D].
 
-        Appends k/v to each head's store and q to the query window.
+        Appends k/v to each head's store and q to the query window. A ``sliding`` layer attends
+        the last ``sliding`` tokens (itself included), as HF and vLLM do.
         """
+        if sliding:
+            self.sliding[layer] = sliding
         heads, group = k.shape[0], q.shape[0] // k.shape[0]
         pos = self.new_positions.to(q.device)
         store = self.layers[layer]
@@ -191,6 +203,8 @@ class _Session:
             kh = store.keys[h].unsqueeze(1).expand(-1, group, -1)  # [S, G, D]
             vh = store.values[h].unsqueeze(1).expand(-1, group, -1)
             mask = store.positions[h].unsqueeze(0) <= pos.unsqueeze(1)  # [T, S]
+            if sliding:
+                mask &= store.positions[h].unsqueeze(0) > pos.unsqueeze(1) - sliding
             comp = store.compensation
             if comp is None:
                 out, _ = attention_with_lse(qh, kh, vh, scale, mask)
@@ -224,7 +238,7 @@ def _oracle_attention(
     if query.shape[0] != 1:
         raise ValueError("the oracle runs one sequence at a time (batch size 1)")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = session.attend(module.layer_idx, query[0], key[0], value[0], scale)
+    out = session.attend(module.layer_idx, query[0], key[0], value[0], scale, kwargs.get("sliding_window"))
     return out.unsqueeze(0), None
 
 
@@ -295,13 +309,14 @@ def _compress(
 ) -> dict[str, Any]:
     """Step 2 of the module docstring on every layer; returns the compression record."""
     state.page_quantum = None if block_size is None else (block_size, num_tokens % block_size)
-    views = [session.store(i).as_layer_kv(i, session.num_layers, session.window) for i in range(session.num_layers)]
+    layers = session.compressed_layers()
+    views = [session.store(i).as_layer_kv(i, session.num_layers, session.window) for i in layers]
     selections = policy.select(views, state)
-    if len(selections) != session.num_layers:
-        raise ValueError(f"policy {policy.name!r} returned {len(selections)} selections for {session.num_layers} layers")
+    if len(selections) != len(layers):
+        raise ValueError(f"policy {policy.name!r} returned {len(selections)} selections for {len(layers)} layers")
     state.compressions += 1
-    evicted = sum(session.store(i).keep(sel, views[i].num_slots) for i, sel in enumerate(selections))
-    kept = [session.store(i).lengths() for i in range(session.num_layers)]
+    evicted = sum(session.store(i).keep(sel, view.num_slots) for i, sel, view in zip(layers, selections, views))
+    kept = [session.store(i).lengths() for i in layers]
     return {"step": step, "num_tokens": num_tokens, "kept": kept, "evicted": evicted}
 
 

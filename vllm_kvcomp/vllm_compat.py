@@ -100,6 +100,8 @@ LEDGER: tuple[Use, ...] = (
     Use("vllm.config:get_layers_from_vllm_config", "the attention layers behind registered caches",
         "engine checks at start-up"),
     Use("vllm.model_executor.layers.attention:Attention", "same", "same"),
+    Use("vllm.v1.kv_cache_interface:FullAttentionSpec", "find the KV-cache group of plain full attention in "
+        "hybrid models (sliding-window groups stay vLLM's)", "hybrid models are served uncompressed"),
     Use("vllm.model_executor.models.utils:extract_layer_index", "layer order of the registered caches",
         "per-layer state is mis-ordered"),
     Use("vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager._remove_blocks_in_range",
@@ -133,6 +135,8 @@ LEDGER: tuple[Use, ...] = (
     Use("vllm.entrypoints.serve.utils.api_utils:cli_env_setup", "same environment set-up as `vllm serve`",
         "the serve CLI"),
     Use("vllm.logger:configure_logging_from_args", "same logging set-up as `vllm serve`", "the serve CLI"),
+    Use("vllm.exceptions:VLLMValidationError", "refuse a prompt the KV cache cannot hold (HTTP 400)",
+        "such prompts are refused with HTTP 500 instead of 400"),
     Use("vllm.engine.protocol:EngineClient.generate", "PATCH: wrapped per API-server instance (ResultTap): "
         "vLLM drops kv_transfer_params from streamed responses and from every prompt after the first of a "
         "completion batch; remove when streams carry them", "usage.kv_compression is missing in streams"),
@@ -224,6 +228,13 @@ def cpu_paged_attention(**kwargs: Any) -> None:
     _custom_ops.cpu_attention_with_kv_cache(**kwargs)
 
 
+def is_plain_full_attention(spec: Any) -> bool:
+    """A KV-cache group spec of ordinary full attention (not sliding window, MLA, sinks, Mamba...)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return type(spec) is FullAttentionSpec
+
+
 # ---------------------------------------------------------------------------- scheduler side
 
 
@@ -252,9 +263,10 @@ def admit_by(kv_cache_manager: Any, bounded_tokens: Callable[[Any], int | None])
     def allocate_slots(request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
         bound = bounded_tokens(request) if kwargs.get("full_sequence_must_fit") else None
         if bound is not None:
-            manager = kv_cache_manager.coordinator.single_type_managers[0]
-            held = len(manager.req_to_blocks.get(request.request_id, ()))  # a waiting request: none
-            needed = -(-min(request.num_tokens, bound) // manager.block_size) - held
+            # every group allocates from the one pool: sliding-window groups hold their window
+            needed = sum(-(-min(request.num_tokens, bound, _window(m)) // m.block_size)
+                         - len(m.req_to_blocks.get(request.request_id, ()))
+                         for m in kv_cache_manager.coordinator.single_type_managers)
             if needed > kv_cache_manager.block_pool.get_num_free_blocks():
                 return None
             kwargs["full_sequence_must_fit"] = False
@@ -262,6 +274,12 @@ def admit_by(kv_cache_manager: Any, bounded_tokens: Callable[[Any], int | None])
 
     allocate_slots._kvcomp_bounded = True
     kv_cache_manager.allocate_slots = allocate_slots
+
+
+def _window(manager: Any) -> float:
+    """Tokens a single-type manager keeps per request at most (its sliding window, else unbounded)."""
+    window = getattr(getattr(manager, "kv_cache_spec", None), "sliding_window", None)
+    return window + manager.block_size if window else float("inf")
 
 
 def allow_max_model_len_beyond_kv_cache() -> None:
@@ -307,6 +325,25 @@ def salt_out_of_prefix_cache(request: Any, salt: str) -> None:
 def wrap_engine_generate(engine_client: Any, wrap: Callable[[Callable], Callable]) -> None:
     """PATCH (see the ledger): replace this client's ``generate`` by ``wrap(generate)``."""
     engine_client.generate = wrap(engine_client.generate)
+
+
+def long_prompt_kv_cache_tokens(engine_client: Any) -> int | None:
+    """Tokens one engine's KV cache holds, when the operator let max_model_len exceed it
+    (``--allow-prompts-beyond-kv-cache``); None otherwise (vLLM's own checks then hold)."""
+    config = getattr(engine_client, "vllm_config", None)
+    transfer = getattr(config, "kv_transfer_config", None)
+    if not (getattr(transfer, "kv_connector_extra_config", None) or {}).get("long_prompts"):
+        return None
+    cache = config.cache_config
+    engines = max(1, config.parallel_config.data_parallel_size)
+    return ((cache.num_gpu_blocks or 0) // engines - 1) * cache.block_size  # less the null block
+
+
+def validation_error(message: str, parameter: str | None = None) -> Exception:
+    """vLLM's request-validation error (the API server answers it with HTTP 400)."""
+    from vllm.exceptions import VLLMValidationError
+
+    return VLLMValidationError(message, parameter=parameter)
 
 
 def serve_parser(prog: str, description: str) -> Any:

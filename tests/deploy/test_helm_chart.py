@@ -59,6 +59,14 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "imagePullSecrets": [{"name": "regcred"}],
     },
     "cpu": {"gpu": {"count": 0}, "tolerations": [], "image": {"tag": "0.1.0-cpu"}},
+    # scaling out (docs/deploy.md, Scaling out; tests/deploy/test_scaling.py)
+    "router": {"replicaCount": 3, "router": {"enabled": True}, "server": {"apiKeySecret": {"name": "api"}},
+               "metrics": {"serviceMonitor": {"enabled": True}}},
+    "routerPrefixHpa": {"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 8},
+                        "router": {"enabled": True, "routing": "prefix", "service": {"type": "LoadBalancer"}}},
+    "parallel": {"gpu": {"count": 8}, "parallelism": {"tensor": 4, "data": 2}},
+    "cpuDataParallel": {"gpu": {"count": 0}, "tolerations": [], "parallelism": {"data": 2},
+                        "server": {"extraEnv": [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "0-15|16-31"}]}},
 }
 
 
@@ -132,6 +140,14 @@ def test_helm_lint_strict_is_clean():
         ({"gpu": {"count": -1}}, "/gpu/count"),
         ({"model": {"source": {"type": "s3"}}}, "/model/source/type"),
         ({"replicas": 2}, "replicas"),
+        ({"router": {"routing": "roundrobin"}}, "/router/routing"),
+        ({"router": {"sessionHeader": "x session"}}, "/router/sessionHeader"),
+        ({"router": {"sessionHeader": ""}}, "/router/sessionHeader"),
+        ({"router": {"replicaCount": 0}}, "/router/replicaCount"),
+        ({"router": {"sticky": True}}, "/router"),
+        ({"parallelism": {"data": 0}}, "/parallelism/data"),
+        ({"parallelism": {"tensor": 1.5}}, "/parallelism/tensor"),
+        ({"parallelism": {"pipeline": 2}}, "/parallelism"),
     ],
 )
 def test_helm_rejects_values_outside_the_schema(chart, values, where):

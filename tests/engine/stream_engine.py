@@ -1,16 +1,43 @@
 """A vLLM engine with a given chunk size, run in its own process for tests/engine/test_streaming.py.
 
-``python -m tests.engine.stream_engine MODEL CHUNK POOL MAX_LEN LONG_PROMPTS < requests.json`` runs
+``python -m tests.engine.stream_engine MODEL CHUNK POOL MAX_LEN LONG_PROMPTS [CONNECTOR] < requests.json`` runs
 each batch of requests to completion (step by step) and prints one JSON line per request: its
 tokens, logprobs, ``kv_transfer_params['kvcomp']``, the chunk ends its prefill was cut at, and the
-peak number of KV blocks the batch held; then the pool's free count at the end.
+peak number of KV blocks the batch held; then the pool's free count at the end. CONNECTOR 0 runs
+plain vLLM (no kvcomp connector) for comparisons.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_engine(model_dir: Path, chunk: int, batches: list[list[dict]], pool: int = 160, max_len: int = 2048,
+               long_prompts: bool = False, connector: bool = True) -> tuple[list[dict], dict]:
+    """Run ``batches`` (lists of :func:`engine_request`) on an engine in a child process; returns
+    the per-request results and the pool's final free count."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.engine.stream_engine", str(model_dir), str(chunk), str(pool), str(max_len),
+         "1" if long_prompts else "0", "1" if connector else "0"],
+        input=json.dumps(batches), capture_output=True, text=True, cwd=ROOT, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    results = [json.loads(line[len("RESULT "):]) for line in lines if line.startswith("RESULT ")]
+    free = next(json.loads(line[len("FREE "):]) for line in lines if line.startswith("FREE "))
+    return results, free
+
+
+def engine_request(name: str, prompt: list[int], spec: dict | None, max_tokens: int) -> dict:
+    """One request of a batch: greedy, ``max_tokens`` tokens, ``spec`` as kvcomp_* extra args."""
+    extra = {f"kvcomp_{k}": v for k, v in spec.items()} if spec else None
+    return {"name": name, "prompt": prompt, "max_tokens": max_tokens, "extra": extra}
 
 
 def _run_batch(engine, scheduler, pool, batch: list[dict]) -> list[dict]:
@@ -23,11 +50,16 @@ def _run_batch(engine, scheduler, pool, batch: list[dict]) -> list[dict]:
         engine.add_request(f"{req['name']}-{i}", {"prompt_token_ids": req["prompt"]}, sp)
         ids.append(f"{req['name']}-{i}")
     ends: dict[str, list[int]] = {rid: [] for rid in ids}
-    peak, outputs = 0, {}
+    aborts = {rid: req["abort_after"] for rid, req in zip(ids, batch) if req.get("abort_after") is not None}
+    peak, outputs, steps = 0, {}, 0
     while engine.has_unfinished_requests():
+        steps += 1
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out
+        for rid in [rid for rid, after in aborts.items() if after == steps]:
+            engine.abort_request([rid])
+            del aborts[rid]
         for rid, request in scheduler.requests.items():
             name = next((i for i in ids if rid.startswith(i)), None)
             prefilling = name is not None and request.num_computed_tokens <= request.num_prompt_tokens
@@ -37,7 +69,10 @@ def _run_batch(engine, scheduler, pool, batch: list[dict]) -> list[dict]:
     engine.step()  # the worker hears about the finished requests
     results = []
     for rid in ids:
-        out = outputs[rid]
+        out = outputs.get(rid)
+        if out is None:  # aborted: vLLM reports nothing more for it
+            results.append({"name": rid, "aborted": True, "peak_blocks": peak})
+            continue
         completion = out.outputs[0]
         results.append({
             "name": rid, "tokens": list(completion.token_ids),
@@ -51,6 +86,7 @@ def _run_batch(engine, scheduler, pool, batch: list[dict]) -> list[dict]:
 def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     model, chunk, pool_blocks, max_len, long_prompts = sys.argv[1:6]
+    connector = sys.argv[6] != "0" if len(sys.argv) > 6 else True
     from vllm import LLM
 
     from vllm_kvcomp.engine.plugin import kv_transfer_config
@@ -58,8 +94,8 @@ def main() -> None:
     llm = LLM(model=model, dtype="float32", enforce_eager=True, block_size=32,
               num_gpu_blocks_override=int(pool_blocks), max_model_len=int(max_len), max_num_seqs=8,
               max_num_batched_tokens=int(chunk), distributed_executor_backend="uni", enable_prefix_caching=False,
-              gpu_memory_utilization=0.1, kv_transfer_config=kv_transfer_config(long_prompts=long_prompts == "1"),
-              seed=0)
+              gpu_memory_utilization=0.1, seed=0,
+              kv_transfer_config=kv_transfer_config(long_prompts=long_prompts == "1") if connector else None)
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     pool = scheduler.kv_cache_manager.block_pool

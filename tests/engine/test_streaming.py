@@ -7,20 +7,16 @@ processes (tests/engine/stream_engine.py); the shared in-process engine cannot b
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from tests.engine.conftest import prompt_ids
+from tests.engine.stream_engine import engine_request, run_engine
 from vllm_kvcomp.params import SpecError
 from vllm_kvcomp.policies.registry import POLICY_NAMES, streaming_policy_names
 from vllm_kvcomp.spec import CompressionSpec
 
-ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32
 PROMPT = 700
 MAX_TOKENS = 12
@@ -33,23 +29,8 @@ SPECS = {  # small windows so that a 700-token prompt compresses several times
 }
 
 
-def run_engine(model_dir: Path, chunk: int, batches: list[list[dict]], pool: int = 160, max_len: int = 2048,
-               long_prompts: bool = False) -> tuple[list[dict], dict]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.engine.stream_engine", str(model_dir), str(chunk), str(pool), str(max_len),
-         "1" if long_prompts else "0"],
-        input=json.dumps(batches), capture_output=True, text=True, cwd=ROOT, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
-    results = [json.loads(line[len("RESULT "):]) for line in lines if line.startswith("RESULT ")]
-    free = next(json.loads(line[len("FREE "):]) for line in lines if line.startswith("FREE "))
-    return results, free
-
-
 def request(name: str, prompt: list[int], spec: dict | None) -> dict:
-    extra = {f"kvcomp_{k}": v for k, v in spec.items()} if spec else None
-    return {"name": name, "prompt": prompt, "max_tokens": MAX_TOKENS, "extra": extra}
+    return engine_request(name, prompt, spec, MAX_TOKENS)
 
 
 def stream_spec(name: str) -> dict:

@@ -354,3 +354,33 @@ def test_the_engine_stream_is_closed_when_the_consumer_stops():
 
     make(Stub(reply), engine=engine).post(CHAT, json=BASE)
     assert engine.closed == ["chatcmpl-9"]
+
+
+def test_prompts_beyond_the_kv_cache_are_refused_unless_streamed():
+    """--allow-prompts-beyond-kv-cache: a prompt the KV cache cannot hold is a 400-class validation
+    error at the API server (as vLLM's own max_model_len check), unless compressed during prefill."""
+    import types
+
+    from vllm.exceptions import VLLMValidationError
+
+    from vllm_kvcomp import vllm_compat
+    from vllm_kvcomp.server.results import ResultTap
+
+    def client(long_prompts: bool):
+        extra = {"long_prompts": True} if long_prompts else {}
+        config = types.SimpleNamespace(
+            kv_transfer_config=types.SimpleNamespace(kv_connector_extra_config=extra),
+            cache_config=types.SimpleNamespace(num_gpu_blocks=2 * 21, block_size=32),
+            parallel_config=types.SimpleNamespace(data_parallel_size=2))
+        return types.SimpleNamespace(vllm_config=config)
+
+    assert vllm_compat.long_prompt_kv_cache_tokens(client(False)) is None
+    assert vllm_compat.long_prompt_kv_cache_tokens(client(True)) == 20 * 32  # per engine, less the null block
+    tap = ResultTap(kv_cache_tokens=640)
+    plain = types.SimpleNamespace(extra_args={"kvcomp_policy": "snapkv"})
+    streamed = types.SimpleNamespace(extra_args={"kvcomp_policy": "lagkv", "kvcomp_prefill": "stream"})
+    tap.check_fits({"prompt_token_ids": list(range(639))}, plain)
+    with pytest.raises(VLLMValidationError, match="prefill=stream"):
+        tap.check_fits({"prompt_token_ids": list(range(640))}, plain)
+    tap.check_fits({"prompt_token_ids": list(range(2600))}, streamed)
+    ResultTap().check_fits({"prompt_token_ids": list(range(10**5))}, plain)  # without the flag: vLLM's checks

@@ -18,6 +18,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "kernels": ("vllm_kvcomp.bench.kernels", "decode-attention kernel bandwidth vs device copy"),
     "kept": ("vllm_kvcomp.bench.kept", "kept fraction of every policy after prefill (HF oracle)"),
     "pages": ("vllm_kvcomp.bench.pages", "through the server: KV held, admission, decode speed vs full"),
+    "prefill": ("vllm_kvcomp.bench.prefill", "KV held during prefill: compress per chunk vs at the end vs full"),
 }
 DEFAULT = "engine"
 PROG = "vllm-kvcomp bench"

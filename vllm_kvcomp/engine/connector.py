@@ -10,6 +10,7 @@ the connector only uses the hooks for metadata, confirmations and stats.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,8 @@ from vllm_kvcomp.vllm_compat import (
     KVConnectorRole,
     SupportsHMA,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def paged_cache(
@@ -75,15 +78,29 @@ def paged_cache(
     return CudaPagedCache
 
 
+def compressible_group(kv_cache_config) -> tuple[int, list[str]] | None:
+    """(index, layer names) of the one KV-cache group we compress: plain full attention. Sliding
+    window, MLA, Mamba and other kinds of groups stay vLLM's; a model with no such group or with
+    several is served uncompressed (None)."""
+    if kv_cache_config is None:
+        return None
+    groups = [(i, list(g.layer_names)) for i, g in enumerate(kv_cache_config.kv_cache_groups)
+              if vllm_compat.is_plain_full_attention(g.kv_cache_spec)]
+    return groups[0] if len(groups) == 1 else None
+
+
 class KVCompConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         block_size = vllm_config.cache_config.block_size
+        self.group = compressible_group(kv_cache_config)
         self.scheduler: KVCompScheduler | None = None
         self.worker: KVCompWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             chunk = vllm_config.scheduler_config.max_num_batched_tokens
-            self.scheduler = KVCompScheduler(block_size=block_size, chunk_tokens=chunk)
+            self.scheduler = KVCompScheduler(block_size=block_size, chunk_tokens=chunk,
+                                             group=None if self.group is None else self.group[0],
+                                             enabled=self.group is not None)
         else:
             if vllm_config.speculative_config is not None:
                 raise ValueError(
@@ -100,11 +117,19 @@ class KVCompConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        layers = vllm_compat.attention_layers(self._vllm_config, list(kv_caches))
-        cache_cls = paged_cache(vllm_compat.platform_kind(), layers, kv_caches,
+        """Page the compressible group's caches; other groups' layers stay vLLM's untouched."""
+        if self.group is None:
+            logger.warning("vllm-kvcomp: no single full-attention KV-cache group in this model; "
+                           "requests are served uncompressed")
+            return
+        names = [name for name in self.group[1] if name in kv_caches]
+        caches = {name: kv_caches[name] for name in names}
+        layers = vllm_compat.attention_layers(self._vllm_config, names)
+        cache_cls = paged_cache(vllm_compat.platform_kind(), layers, caches,
                                 self._vllm_config.cache_config.block_size)
-        index = {name: vllm_compat.layer_index(name) for name in kv_caches}
-        self.worker.register(kv_caches, index, cache_cls)
+        index = {name: vllm_compat.layer_index(name) for name in names}
+        model_layers = max(vllm_compat.layer_index(name) for name in kv_caches) + 1
+        self.worker.register(caches, index, cache_cls, model_layers)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:

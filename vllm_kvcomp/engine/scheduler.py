@@ -80,6 +80,8 @@ class KVCompScheduler:
 
     block_size: int
     chunk_tokens: int = 2048  # most prompt tokens one step prefills (max_num_batched_tokens)
+    group: int = 0  # the KV-cache group we compress (full attention); others stay vLLM's
+    enabled: bool = True  # False: the model has no group we can compress
     kv_cache_manager: Any = None
     requests: dict[str, RequestStats] = field(default_factory=dict)
     freed: dict[str, int] = field(default_factory=dict)  # req_id -> leading columns freed
@@ -103,7 +105,7 @@ class KVCompScheduler:
                          self._pool_tokens())
             vllm_compat.abort_on_arrival(request)
             return
-        if spec is None or not spec.compresses:
+        if spec is None or not spec.compresses or not self.enabled:
             return
         self.requests[request.request_id] = RequestStats(spec=spec, prompt_len=request.num_prompt_tokens,
                                                          peak_tokens=peak)
@@ -157,7 +159,7 @@ class KVCompScheduler:
             stats = self.requests.get(rid)
             if stats is None:
                 continue
-            block_ids = vllm_compat.request_block_ids(self.kv_cache_manager, rid)
+            block_ids = vllm_compat.request_block_ids(self.kv_cache_manager, rid, self.group)
             pos = computed[rid]
             meta.requests.append(
                 ScheduledRequest(
@@ -178,11 +180,11 @@ class KVCompScheduler:
             return
         for rid, columns in report.freeable_blocks.items():
             stats = self.requests.get(rid)
-            if stats is None or not vllm_compat.holds_blocks(self.kv_cache_manager, rid):
+            if stats is None or not vllm_compat.holds_blocks(self.kv_cache_manager, rid, self.group):
                 continue  # finished or preempted meanwhile: its blocks were freed already
             before = self.freed.get(rid, 0)
             if columns > before:
-                vllm_compat.free_blocks(self.kv_cache_manager, rid, before, columns)
+                vllm_compat.free_blocks(self.kv_cache_manager, rid, before, columns, self.group)
                 self.freed[rid] = columns
                 stats.blocks_freed += columns - before
                 self.blocks_freed_total += columns - before
@@ -212,8 +214,8 @@ class KVCompScheduler:
         """Blocks freed early, held, and that would be held uncompressed, over running tracked requests."""
         held = uncompressed = 0
         for rid in self.requests:
-            if vllm_compat.holds_blocks(self.kv_cache_manager, rid):
-                columns = len(vllm_compat.request_block_ids(self.kv_cache_manager, rid))
+            if vllm_compat.holds_blocks(self.kv_cache_manager, rid, self.group):
+                columns = len(vllm_compat.request_block_ids(self.kv_cache_manager, rid, self.group))
                 uncompressed += columns
                 held += columns - self.freed.get(rid, 0)
         return {"saved_blocks": sum(self.freed.values()), "held_blocks": held,

@@ -60,7 +60,9 @@ class KVCompWorker:
     def __init__(self, block_size: int, policy_builder: PolicyBuilder):
         self.block_size = block_size
         self.build_policy = policy_builder
-        self.layer_index: dict[str, int] = {}
+        self.layer_index: dict[str, int] = {}  # compressed layers' cache names -> 0..L-1
+        self.model_layers: list[int] = []
+        self.num_model_layers = 0
         self.cache: PagedCache | None = None
         self.requests: dict[str, CompressedRequest] = {}
         self.step: dict[str, ScheduledRequest] = {}
@@ -77,10 +79,16 @@ class KVCompWorker:
         kv_caches: dict[str, torch.Tensor],
         layer_index: dict[str, int],
         cache_cls: Callable[[list[torch.Tensor]], PagedCache],
+        num_model_layers: int | None = None,
     ) -> None:
-        """Page the KV buffer with ``cache_cls`` (the platform's :class:`PagedCache`)."""
+        """Page the compressed layers' caches with ``cache_cls`` (the platform's :class:`PagedCache`).
+
+        ``layer_index`` gives each cache's model layer (policies and calibration profiles count
+        layers of the model, of which a hybrid model compresses only some)."""
         order = sorted(kv_caches, key=lambda n: layer_index[n])
         self.layer_index = {name: i for i, name in enumerate(order)}
+        self.model_layers = [layer_index[name] for name in order]
+        self.num_model_layers = num_model_layers or max(self.model_layers) + 1
         self.cache = cache_cls([kv_caches[name] for name in order])
 
     @property
@@ -147,9 +155,9 @@ class KVCompWorker:
     def after_attention(self, layer_name: str, query: torch.Tensor, output: torch.Tensor,
                         query_start_loc: torch.Tensor, slot_mapping: torch.Tensor, scale: float) -> None:
         """Capture window queries and attend compressed rows (query/output [T, H_q, D])."""
-        if not self.step:
+        layer = self.layer_index.get(layer_name)
+        if not self.step or layer is None:  # another KV-cache group's layer (e.g. sliding window)
             return
-        layer = self.layer_index[layer_name]
         self.scale = scale
         rows = self.tracked_rows(query_start_loc, slot_mapping)
         for row in rows:
@@ -254,9 +262,10 @@ class KVCompWorker:
                 positions[head, width - length :] = state.pages.positions(layer, head, length)
             window = state.windows[layer]
             queries = None if window.queries is None else window.queries.transpose(0, 1).cpu()
-            inputs.append(LayerKV(  # policies score on the host (a no-op copy on CPU)
-                keys=full_k[layer, :, n - width :].cpu(), values=full_v[layer, :, n - width :].cpu(), layer=layer,
-                num_layers=self.num_layers, lengths=lengths[layer], positions=positions, queries=queries,
+            inputs.append(LayerKV(  # policies score on the host (a no-op copy on CPU); layers by model index
+                keys=full_k[layer, :, n - width :].cpu(), values=full_v[layer, :, n - width :].cpu(),
+                layer=self.model_layers[layer], num_layers=self.num_model_layers, lengths=lengths[layer],
+                positions=positions, queries=queries,
                 query_positions=window.positions, scale=self.scale,
             ))
         return inputs
@@ -268,8 +277,8 @@ class KVCompWorker:
         state.policy_state.page_quantum = (self.block_size, end % self.block_size)
         selections = state.policy.select(inputs, state.policy_state)
         before = torch.stack([kv.valid_lengths() for kv in inputs])  # [L, H]
-        kept = [[idx - (kv.num_slots - int(before[kv.layer, h])) for h, idx in enumerate(sel.indices)]
-                for kv, sel in zip(inputs, selections)]
+        kept = [[idx - (kv.num_slots - int(before[layer, h])) for h, idx in enumerate(sel.indices)]
+                for layer, (kv, sel) in enumerate(zip(inputs, selections))]
         after = torch.tensor([[len(idx) for idx in layer] for layer in kept])
         compensations = [sel.compensation for sel in selections]
         if bool((after < before).any()) or any(c is not None for c in compensations):

@@ -75,7 +75,8 @@ def prepare(args: argparse.Namespace, vllm_defaults: dict[str, Any], on_cpu: boo
     if on_cpu:
         defaults.update(cpu_defaults(args.model))
         if args.gpu_memory_utilization is None and args.kv_cache_memory_bytes is None:
-            args.kv_cache_memory_bytes = cpu_kv_cache_bytes()
+            engines = (args.data_parallel_size or 1) * (args.tensor_parallel_size or 1)
+            args.kv_cache_memory_bytes = cpu_kv_cache_bytes(engines)
     elif args.attention_backend is None:
         args.attention_backend = GPU_ATTENTION_BACKEND
     for name in PLATFORM_FLAGS:
@@ -103,12 +104,14 @@ def cpu_defaults(model: str) -> dict[str, Any]:
     return {"dtype": "float32", "enforce_eager": True, "max_model_len": max_len}
 
 
-def cpu_kv_cache_bytes() -> int:
-    """KV cache size on CPU: :data:`CPU_KV_CACHE_BYTES`, at most a quarter of the free RAM."""
+def cpu_kv_cache_bytes(workers: int = 1) -> int:
+    """KV cache size per worker on CPU: :data:`CPU_KV_CACHE_BYTES` in all, at most a quarter of
+    the free RAM, shared by the ``workers`` (data-parallel engines x tensor-parallel ranks) that
+    each allocate one."""
     import psutil
 
     share = int(CPU_KV_SHARE_OF_FREE * psutil.virtual_memory().available)
-    return min(CPU_KV_CACHE_BYTES, share) >> 20 << 20  # whole MiB
+    return min(CPU_KV_CACHE_BYTES, share) // max(workers, 1) >> 20 << 20  # whole MiB
 
 
 def _model_config(model: str) -> dict[str, Any]:

@@ -23,25 +23,43 @@ TAP_ATTRIBUTE = "_kvcomp_result_tap"
 class ResultTap:
     """Finished-request results by request id (oldest dropped beyond ``capacity``)."""
 
-    def __init__(self, capacity: int = 4096):
+    def __init__(self, capacity: int = 4096, kv_cache_tokens: int | None = None):
         self._capacity = capacity
         self._results: OrderedDict[str, Result] = OrderedDict()
+        self.kv_cache_tokens = kv_cache_tokens  # set when max_model_len may exceed the KV cache
 
     @classmethod
     def install(cls, engine_client: Any) -> ResultTap:
         """Wrap ``engine_client.generate`` (once per client, see vllm_compat's ledger) and return the tap."""
         tap = getattr(engine_client, TAP_ATTRIBUTE, None)
         if tap is None:
-            tap = cls()
+            tap = cls(kv_cache_tokens=vllm_compat.long_prompt_kv_cache_tokens(engine_client))
             vllm_compat.wrap_engine_generate(engine_client, tap.wrap)
             setattr(engine_client, TAP_ATTRIBUTE, tap)
         return tap
+
+    def check_fits(self, prompt: Any, sampling_params: Any) -> None:
+        """With ``--allow-prompts-beyond-kv-cache``: a prompt the KV cache cannot hold whole is
+        refused (HTTP 400, as vLLM refuses one beyond max_model_len) unless it is compressed
+        during prefill."""
+        if self.kv_cache_tokens is None:
+            return
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else getattr(prompt, "prompt_token_ids", None)
+        extra = getattr(sampling_params, "extra_args", None) or {}
+        if ids is None or len(ids) + 1 <= self.kv_cache_tokens or extra.get("kvcomp_prefill") == "stream":
+            return
+        raise vllm_compat.validation_error(
+            f"This prompt has {len(ids)} tokens but the KV cache holds {self.kv_cache_tokens}: only a request "
+            "compressed during prefill can use it (e.g. X-KV-Compression: policy=streamingllm; ratio=0.25; "
+            "prefill=stream)", parameter="prompt")
 
     def wrap(self, generate: Callable[..., AsyncGenerator[Any, None]]) -> Callable[..., AsyncGenerator[Any, None]]:
         """``generate`` that records each request's result when its final output passes."""
 
         async def tapped(*args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
             request_id = kwargs.get("request_id", args[2] if len(args) > 2 else None)
+            self.check_fits(kwargs.get("prompt", args[0] if args else None),
+                            kwargs.get("sampling_params", args[1] if len(args) > 1 else None))
             outputs = generate(*args, **kwargs)
             prompt_tokens = 0
             try:

@@ -46,7 +46,7 @@ class KVCompAttentionMixin:
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None) -> torch.Tensor:
         worker = active_worker()
-        if worker is None or attn_metadata is None or not worker.step:
+        if worker is None or attn_metadata is None or not worker.step or layer.layer_name not in worker.layer_index:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)
         kernel_metadata = self._kernel_metadata(worker, layer, query.dtype, attn_metadata)
