@@ -73,6 +73,8 @@ LEDGER: tuple[Use, ...] = (
     Use("vllm.distributed.kv_transfer:get_kv_transfer_group", "the worker's connector from inside a backend",
         "compressed rows are attended over their stale full context"),
     Use("vllm.distributed.kv_transfer:has_kv_transfer_group", "same", "same"),
+    Use("vllm.distributed.parallel_state:get_tp_group", "policies that rank across heads gather every "
+        "tensor-parallel rank's heads (its world_size, rank_in_group, cpu_group)", "TP>1 results differ from TP=1"),
     # ---------------------------------------------------------------- attention backends
     Use("vllm.v1.attention.backends.registry:register_backend", "put our backend subclasses under vLLM's names",
         "our per-step hook never runs"),
@@ -212,6 +214,30 @@ def layer_index(layer_name: str) -> int:
 def cpu_attention_isa(layer: Any) -> str:
     """The CPU cache layout vLLM's metadata builder chose for ``layer`` (``vec``, ``amx``, ...)."""
     return getattr(layer, "isa", "vec")
+
+
+def tensor_parallel_ranks() -> Any:
+    """This worker's tensor-parallel group as policies' :class:`~vllm_kvcomp.policies.base.Ranks`
+    (the one-rank identity without tensor parallelism)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    from vllm_kvcomp.policies.base import ONE_RANK, Ranks
+
+    group = get_tp_group()
+    if group.world_size == 1:
+        return ONE_RANK
+
+    class TensorParallelRanks(Ranks):
+        size, rank = group.world_size, group.rank_in_group
+
+        def gather(self, value: Any) -> list[Any]:
+            import torch.distributed as dist
+
+            out: list[Any] = [None] * self.size
+            dist.all_gather_object(out, value, group=group.cpu_group)
+            return out
+
+    return TensorParallelRanks()
 
 
 def cpu_attention_schedule(**kwargs: Any) -> Any:

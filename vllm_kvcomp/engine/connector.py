@@ -109,7 +109,8 @@ class KVCompConnector(KVConnectorBase_V1, SupportsHMA):
                 )
             extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
             factory = PolicyFactory(vllm_config.model_config.model, extra.get("profiles"))
-            self.worker = KVCompWorker(block_size=block_size, policy_builder=factory.build)
+            self.worker = KVCompWorker(block_size=block_size, policy_builder=factory.build,
+                                       ranks=vllm_compat.tensor_parallel_ranks())
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -25,7 +25,7 @@ from vllm_kvcomp.engine.metadata import (
 )
 from vllm_kvcomp.engine.pages import RequestPages
 from vllm_kvcomp.engine.state import CompressedRequest, QueryWindow
-from vllm_kvcomp.policies.base import LayerKV, RequestState
+from vllm_kvcomp.policies.base import ONE_RANK, LayerKV, Ranks, RequestState
 from vllm_kvcomp.spec import CompressionSpec
 
 logger = logging.getLogger(__name__)
@@ -57,9 +57,10 @@ class PagedBatch:
 class KVCompWorker:
     """Worker-side state for every tracked request of this worker."""
 
-    def __init__(self, block_size: int, policy_builder: PolicyBuilder):
+    def __init__(self, block_size: int, policy_builder: PolicyBuilder, ranks: Ranks = ONE_RANK):
         self.block_size = block_size
         self.build_policy = policy_builder
+        self.ranks = ranks  # tensor-parallel ranks: policies decide over every rank's heads
         self.layer_index: dict[str, int] = {}  # compressed layers' cache names -> 0..L-1
         self.model_layers: list[int] = []
         self.num_model_layers = 0
@@ -127,7 +128,7 @@ class KVCompWorker:
             spec=spec,
             policy=policy,
             pages=RequestPages(self.cache.geometry),
-            policy_state=RequestState(prompt_len=r.prompt_len),
+            policy_state=RequestState(prompt_len=r.prompt_len, ranks=self.ranks),
             windows=[QueryWindow(w) for _ in range(self.num_layers)],
             compensation=[None] * self.num_layers,
         )
@@ -225,7 +226,7 @@ class KVCompWorker:
                 continue
             end = sched.num_computed + sched.num_scheduled
             policy = state.policy
-            live = int(state.pages.lengths(end).max())
+            live = int(self.ranks.reduce(int(state.pages.lengths(end).max()), max))  # over every rank's heads
             if not state.prompt_done:
                 if end >= sched.prompt_len:
                     self._compress(rid, state, sched, end, decode=False)

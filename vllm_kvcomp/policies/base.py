@@ -107,6 +107,30 @@ class Selection:
         return cls([torch.nonzero(mask[h]).flatten() for h in range(kv.num_kv_heads)])
 
 
+class Ranks:
+    """The tensor-parallel ranks a request's KV heads are split over; a policy that ranks or
+    averages across heads (adaptive budgets, entropy, a global head index) asks them, so every
+    rank decides what one rank holding all heads decides. This base is one rank: identity."""
+
+    size: int = 1
+    rank: int = 0
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (any picklable object), in rank order."""
+        return [value]
+
+    def reduce(self, value: float, op: Callable[[Sequence[float]], float]) -> float:
+        """``op`` (sum, max, min) over every rank's ``value``."""
+        return op(self.gather(value))
+
+    def cat_heads(self, per_head: torch.Tensor) -> torch.Tensor:
+        """Every rank's [H_local, ...] rows concatenated: [H_total, ...] (same trailing shape)."""
+        return torch.cat(self.gather(per_head))
+
+
+ONE_RANK = Ranks()
+
+
 @dataclass
 class RequestState:
     """Per-request memory a policy carries between compressions (one per request, all layers).
@@ -124,6 +148,8 @@ class RequestState:
     #: (block_size, residue) of the engine's pages for the compression in progress, or None:
     #: every head's kept count must then be ``≡ residue (mod block_size)`` (or the whole head)
     page_quantum: tuple[int, int] | None = None
+    #: the tensor-parallel ranks the request's heads are split over (set by the engine)
+    ranks: Ranks = field(default=ONE_RANK, repr=False)
 
     def layer(self, index: int) -> dict[str, Any]:
         return self.layers.setdefault(index, {})
@@ -390,13 +416,22 @@ class ScorePolicy(Policy):
         ``selection`` is what is kept (page-rounded); ``chosen`` the slots the allocation picked.
         """
 
-    def select_scored(self, kv: LayerKV, state: RequestState, budget: int, allocate: Allocator) -> Selection:
+    def allocates_across_heads(self) -> bool:
+        """Whether :meth:`allocate` ranks the heads of a layer against each other."""
+        return False
+
+    def select_scored(self, kv: LayerKV, state: RequestState, budget: int, allocate: Allocator,
+                      across_heads: bool = False) -> Selection:
         """One layer: protected region and scores of this policy, ``allocate``'s picks, rounded
-        up to the page grid by score, then committed."""
+        up to the page grid by score, then committed. An allocation ``across_heads`` sees every
+        tensor-parallel rank's heads."""
         lengths = kv.valid_lengths()
         sink, window = self.protected_for(kv, state)
         scores = self.score(kv, state).float().cpu()
-        chosen = allocate(scores, budget, lengths, sink, window)
+        if across_heads and state.ranks.size > 1:
+            chosen = _allocate_over_ranks(state.ranks, allocate, scores, budget, lengths, sink, window)
+        else:
+            chosen = allocate(scores, budget, lengths, sink, window)
         selection = Selection(state.pad(chosen, scores, lengths))
         self.commit(kv, state, selection, chosen)
         return selection
@@ -404,7 +439,21 @@ class ScorePolicy(Policy):
     def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
         if state.budget is None:
             state.budget = self.target_budget(int(kv.valid_lengths().max()))
-        return self.select_scored(kv, state, state.budget, self.allocate)
+        return self.select_scored(kv, state, state.budget, self.allocate, self.allocates_across_heads())
+
+
+def _allocate_over_ranks(ranks: Ranks, allocate: Allocator, scores: torch.Tensor, budget: int,
+                         lengths: torch.Tensor, sink: int, window: int) -> list[torch.Tensor]:
+    """``allocate`` over every rank's heads (scores right-aligned to a common width), then this
+    rank's part, back in its own slots."""
+    width = int(ranks.reduce(scores.shape[1], max))
+    pad = width - scores.shape[1]
+    padded = torch.nn.functional.pad(scores, (pad, 0), value=float("-inf"))
+    everyone = ranks.cat_heads(padded)
+    all_lengths = ranks.cat_heads(lengths.to(torch.long))
+    chosen = allocate(everyone, budget, all_lengths, sink, window)
+    mine = chosen[ranks.rank * scores.shape[0] : (ranks.rank + 1) * scores.shape[0]]
+    return [idx - pad for idx in mine]
 
 
 @dataclass
@@ -474,6 +523,7 @@ __all__ = [
     "Compensation",
     "LayerKV",
     "Policy",
+    "Ranks",
     "RequestState",
     "ScorePolicy",
     "Selection",

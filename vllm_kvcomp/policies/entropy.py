@@ -29,8 +29,10 @@ import torch
 
 from vllm_kvcomp.params import Param, SpecError
 from vllm_kvcomp.policies.base import (
+    ONE_RANK,
     LayerKV,
     Policy,
+    Ranks,
     RequestState,
     Selection,
     SlotMemory,
@@ -41,13 +43,14 @@ from vllm_kvcomp.policies.base import (
 )
 
 
-def layer_entropy(probs: torch.Tensor) -> float:
-    """Mean Shannon entropy (nats) of the non-empty attention rows of probs [H_q, w, N]."""
+def layer_entropy(probs: torch.Tensor, ranks: Ranks = ONE_RANK) -> float:
+    """Mean Shannon entropy (nats) of the non-empty attention rows of probs [H_q, w, N], over the
+    query heads of every tensor-parallel rank."""
     rows = probs.float().flatten(0, 1)
     live = rows.sum(-1) > 0
-    if not bool(live.any()):
-        return 0.0
-    return float(entropy(rows[live]).mean())
+    total = float(entropy(rows[live]).sum()) if bool(live.any()) else 0.0
+    count = ranks.reduce(int(live.sum()), sum)
+    return ranks.reduce(total, sum) / count if count else 0.0
 
 
 def _solve_scale(e: torch.Tensor, low: int, high: int, total: int) -> float:
@@ -137,13 +140,14 @@ class EntropyBudget(Policy):
         probs = [window_attention(kv) for kv in layers]  # each [H_q, w, N]
         longest = max((int(kv.valid_lengths().max()) for kv in layers), default=0)
         target = self.target_budget(longest)
-        budgets = entropy_budgets([layer_entropy(p) for p in probs], target, self.min_ratio, self.max_ratio)
+        budgets = entropy_budgets([layer_entropy(p, state.ranks) for p in probs], target, self.min_ratio,
+                                  self.max_ratio)
         state.budget = max(budgets, default=target)
         return [self._select_shared(kv, p, b, state) for kv, p, b in zip(layers, probs, budgets)]
 
     def _select_shared(self, kv: LayerKV, probs: torch.Tensor, budget: int, state: RequestState) -> Selection:
         """Shared ranking (attention summed over heads and queries) -> sink + top + recent."""
-        shared = probs.float().sum(dim=(0, 1)).cpu()  # [N]
+        shared = sum(state.ranks.gather(probs.float().sum(dim=(0, 1)).cpu()))  # [N], every rank's heads
         sink, _, recent = split_layer_budget(budget)
         lengths = kv.valid_lengths()
         priority = shared.expand(kv.num_kv_heads, -1)

@@ -132,7 +132,7 @@ class LagKV(Policy):
         indices = state.pad(indices, priority, lengths)
         compressed = [len(idx) - int((positions[h, idx] >= (cursors[h] or 0)).sum()) for h, idx in enumerate(indices)]
         memory["cursor"] = cursors
-        memory["compressed"] = min(compressed, default=0)
+        memory["compressed"] = state.ranks.reduce(min(compressed, default=0), min)  # every rank's heads
         if state.budget is None:
             state.budget = max((len(i) for i in indices), default=0)
         return Selection(indices)

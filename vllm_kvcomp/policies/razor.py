@@ -102,7 +102,8 @@ class Razor(Policy):
             keep_sink = min(sink, length)
             # L_h of the whole prompt, also when an earlier prefill chunk is compressed (prefill=stream)
             recent = state.page_count(keep_sink + self.recent_for(max(length, state.prompt_len)), length) - keep_sink
-            if (kv.layer, h) in heads or keep_sink + recent >= length:
+            global_head = state.ranks.rank * kv.num_kv_heads + h  # profiles name the model's KV heads
+            if (kv.layer, global_head) in heads or keep_sink + recent >= length:
                 indices.append(torch.arange(start, n))
                 dropped.append(None)
                 continue

@@ -79,6 +79,9 @@ class HeadsChoice:
 
     heads: str
 
+    def allocates_across_heads(self) -> bool:
+        return self.heads == "adaptive"
+
     def allocate(
         self, scores: torch.Tensor, budget: int, lengths: torch.Tensor, sink: int, window: int
     ) -> list[torch.Tensor]:
@@ -127,7 +130,7 @@ class AdaptiveHeads(_Wrapper):
     def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
         if state.budget is None:
             state.budget = self.target_budget(int(kv.valid_lengths().max()))
-        return self.inner.select_scored(kv, state, state.budget, partial(adaptive_topk, floor=self.floor))
+        return self.inner.select_scored(kv, state, state.budget, partial(adaptive_topk, floor=self.floor), True)
 
 
 @dataclass
@@ -153,4 +156,5 @@ class LayerBudgets(_Wrapper):
             )
         if state.budget is None:
             state.budget = max(int(b) for b in self.budgets)
-        return [self.inner.select_scored(kv, state, int(self.budgets[kv.layer]), self.inner.allocate) for kv in layers]
+        return [self.inner.select_scored(kv, state, int(self.budgets[kv.layer]), self.inner.allocate,
+                                         self.inner.allocates_across_heads()) for kv in layers]
