@@ -126,6 +126,23 @@ LEDGER: tuple[Use, ...] = (
         "prefix cache (its blocks are rewritten in place)", "compressed blocks could be served as cache hits"),
     Use("vllm.v1.request:Request.get_skip_reading_prefix_cache", "the attribute we override for compressed "
         "requests is set from it", "compressed requests read the prefix cache"),
+    Use("vllm.v1.core.kv_cache_manager:KVCacheManager.get_computed_blocks", "PATCH (per scheduler instance): "
+        "a compressed request's prefix-cache hit stops before its observation window (the policy needs those "
+        "queries computed)", "a warm compressed request scores with fewer window queries than a cold one"),
+    Use("vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager.cache_blocks", "it hashes blocks "
+        "from ``num_cached_block[req_id]`` on, which we set past any length once a compressed request's prompt "
+        "is cached: its later blocks (decode tokens attended over the compressed cache, packed pages) are never "
+        "hashed", "blocks whose contents differ from their tokens' full-cache KV could be served as prefix-cache "
+        "hits"),
+    Use("vllm.v1.core.block_pool:BlockPool.get_new_blocks", "private blocks a compressed request packs its "
+        "kept pages into (copy-on-compress), instead of writing into cached prompt blocks",
+        "compressed requests cannot share the prefix cache"),
+    Use("vllm.v1.core.block_pool:BlockPool.free_blocks", "same (spares not used, old blocks replaced)", "same"),
+    Use("vllm.v1.core.block_pool:BlockPool.__init__", "``hash_block_size``: copy-on-compress needs hashes "
+        "per whole block (no partial-tail caching)", "same", param="hash_block_size"),
+    Use("vllm.v1.core.block_pool:BlockPool._maybe_evict_cached_block", "copy-on-compress without spares (a "
+        "full pool): the request's own unshared prompt blocks leave the prefix cache before it packs into them",
+        "such requests wait for spares instead"),
     Use("vllm.v1.attention.backends.cpu_attn:_get_attn_isa", "the CPU cache's in-block layout (the builder "
         "stores it on each layer as ``layer.isa``)", "CPU reads/writes of kept tokens use the wrong layout"),
     # ---------------------------------------------------------------- API server
@@ -330,6 +347,84 @@ def allow_max_model_len_beyond_kv_cache() -> None:
 
     relaxed._kvcomp_relaxed = True
     kv_cache_utils._check_enough_kv_cache_memory = relaxed
+
+
+def copy_on_compress_supported(kv_cache_manager: Any) -> bool:
+    """Whether compressed requests can share the prefix cache (copy-on-compress): caching on,
+    one KV-cache group (hybrid models stay salted), hashes per whole block."""
+    coordinator = getattr(kv_cache_manager, "coordinator", None)
+    managers = getattr(coordinator, "single_type_managers", ())
+    return (bool(getattr(kv_cache_manager, "enable_caching", False)) and len(managers) == 1
+            and managers[0].block_size == kv_cache_manager.block_pool.hash_block_size)
+
+
+def cap_prefix_cache_hits(kv_cache_manager: Any, cap_tokens: Callable[[Any], int | None]) -> None:
+    """PATCH (see the ledger): a request for which ``cap_tokens(request)`` is a token count reads
+    at most that many tokens from the prefix cache (rounded down to whole blocks)."""
+    lookup = kv_cache_manager.get_computed_blocks
+    if getattr(lookup, "_kvcomp_capped", False):
+        return
+
+    def get_computed_blocks(request: Any) -> Any:
+        blocks, hit, boundary = lookup(request)
+        cap = cap_tokens(request)
+        if cap is None or hit <= cap:
+            return blocks, hit, boundary
+        size = kv_cache_manager.coordinator.single_type_managers[0].block_size
+        keep = cap // size
+        if keep == 0:
+            return kv_cache_manager.empty_kv_cache_blocks, 0, 0
+        return kv_cache_manager.create_kv_cache_blocks(tuple(b[:keep] for b in blocks.blocks)), keep * size, 0
+
+    get_computed_blocks._kvcomp_capped = True
+    kv_cache_manager.get_computed_blocks = get_computed_blocks
+
+
+def stop_caching_blocks(kv_cache_manager: Any, req_id: str) -> None:
+    """Hash none of ``req_id``'s blocks beyond those cached so far (see the ledger)."""
+    for manager in kv_cache_manager.coordinator.single_type_managers:
+        if req_id in manager.req_to_blocks:
+            manager.num_cached_block[req_id] = 1 << 62
+
+
+def new_blocks(kv_cache_manager: Any, count: int) -> list[Any] | None:
+    """``count`` fresh private blocks from the pool (evicting cached free ones), or None if the
+    pool has fewer free."""
+    pool = kv_cache_manager.block_pool
+    if count <= 0:
+        return []
+    return pool.get_new_blocks(count) if pool.get_num_free_blocks() >= count else None
+
+
+def release_blocks(kv_cache_manager: Any, blocks: list[Any]) -> None:
+    """Give blocks from :func:`new_blocks` (or replaced ones) back; cached ones stay cached."""
+    if blocks:
+        kv_cache_manager.block_pool.free_blocks(blocks)
+
+
+def make_private(kv_cache_manager: Any, req_id: str, start: int, end: int, group: int = 0) -> bool:
+    """Take columns ``[start, end)`` of a running request out of the prefix cache so it may write
+    into them; False (nothing changed) if another request shares one of those blocks."""
+    table = kv_cache_manager.coordinator.single_type_managers[group].req_to_blocks[req_id]
+    blocks = [b for b in table[max(start, 0) : end] if not b.is_null]
+    if any(b.ref_cnt != 1 for b in blocks):
+        return False
+    for block in blocks:
+        kv_cache_manager.block_pool._maybe_evict_cached_block(block)
+    return True
+
+
+def install_blocks(kv_cache_manager: Any, req_id: str, columns: dict[int, Any], group: int = 0) -> None:
+    """Put ``columns`` (column -> block from :func:`new_blocks`) into a running request's block
+    table, releasing the blocks they replace."""
+    table = kv_cache_manager.coordinator.single_type_managers[group].req_to_blocks[req_id]
+    null = kv_cache_manager.block_pool.null_block
+    old = []
+    for col, block in columns.items():
+        if table[col] is not null:
+            old.append(table[col])
+        table[col] = block
+    release_blocks(kv_cache_manager, old)
 
 
 def abort_on_arrival(request: Any) -> None:

@@ -27,6 +27,7 @@ def _assert_clean(engine, free_before: int) -> None:
     assert engine.free_blocks == free_before
     assert engine.sched_connector.requests == {}
     assert engine.sched_connector.freed == {}
+    assert engine.sched_connector.cow == {}
     assert engine.worker_connector.requests == {}
 
 

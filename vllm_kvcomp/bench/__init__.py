@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "engine": ("vllm_kvcomp.bench.engine", "memory and throughput inside vLLM, full vs policies"),
     "kernels": ("vllm_kvcomp.bench.kernels", "decode-attention kernel bandwidth vs device copy"),
     "kept": ("vllm_kvcomp.bench.kept", "kept fraction of every policy after prefill (HF oracle)"),
+    "multiturn": ("vllm_kvcomp.bench.multiturn", "multi-turn chat with prefix caching: hits, TTFT, KV per turn"),
     "pages": ("vllm_kvcomp.bench.pages", "through the server: KV held, admission, decode speed vs full"),
     "prefill": ("vllm_kvcomp.bench.prefill", "KV held during prefill: compress per chunk vs at the end vs full"),
 }

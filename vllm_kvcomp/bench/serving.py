@@ -32,6 +32,7 @@ class Stream:
     sent: float
     token_times: list[float] = field(default_factory=list)
     usage: dict | None = None
+    token_ids: list[int] = field(default_factory=list)  # with ``return_token_ids``
 
     @property
     def first(self) -> float:
@@ -50,13 +51,13 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def served(model: str | None, pool_blocks: int, max_seqs: int, max_len: int, log: Path,
-           extra: list[str] | None = None) -> Iterator[str]:
+           extra: list[str] | None = None, prefix_caching: bool = False) -> Iterator[str]:
     """Run ``vllm-kvcomp serve`` with a fixed KV pool; yields its base URL, stops it after."""
     port = free_port()
     cmd = [sys.executable, "-m", "vllm_kvcomp", "serve", *([model] if model else []), "--port", str(port),
            "--host", "127.0.0.1", "--block-size", "32", "--num-gpu-blocks-override", str(pool_blocks),
            "--max-num-seqs", str(max_seqs), "--max-model-len", str(max_len), "--max-num-batched-tokens", "2048",
-           "--no-enable-prefix-caching", *(extra or [])]
+           "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching", *(extra or [])]
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
@@ -92,10 +93,10 @@ def prompts(count: int, length: int, seed: int, vocab: int = 48000) -> list[list
 
 
 async def stream_completion(client, url: str, model: str, prompt: list[int], max_tokens: int,
-                            header: str | None) -> Stream:
+                            header: str | None, return_token_ids: bool = False) -> Stream:
     """One streamed completion; raises on HTTP errors (a benchmark must not hide one)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream_options": {"include_usage": True}, "return_token_ids": return_token_ids}
     headers = {HEADER: header} if header else {}
     stream = Stream(sent=time.perf_counter())
     async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as response:
@@ -107,6 +108,8 @@ async def stream_completion(client, url: str, model: str, prompt: list[int], max
             chunk = json.loads(line[len("data: "):])
             if chunk.get("choices") and chunk["choices"][0].get("text"):
                 stream.token_times.append(time.perf_counter())
+            if chunk.get("choices") and chunk["choices"][0].get("token_ids"):
+                stream.token_ids.extend(chunk["choices"][0]["token_ids"])
             if isinstance(chunk.get("usage"), dict):
                 stream.usage = chunk["usage"]
     return stream

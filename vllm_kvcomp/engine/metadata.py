@@ -5,7 +5,8 @@ scheduled in this step, how to recognise their batch rows, their block ids, and 
 were preempted or finished (their worker state must go).
 
 Worker -> scheduler (:class:`WorkerReport`): per request, the number of leading block-table
-columns whose blocks hold no live token any more (the scheduler frees them), plus the
+columns whose blocks hold no live token any more (the scheduler frees them), the spare blocks
+a copy-on-compress compaction wrote (the scheduler puts them into the block table), plus the
 compression events of the step for stats and metrics.
 """
 
@@ -29,6 +30,11 @@ class ScheduledRequest:
     num_scheduled: int  # tokens computed in this step
     block_ids: list[int]  # positional; freed columns hold the null block id
     first_slot: int  # physical slot of the first scheduled token: identifies the batch row
+    #: copy-on-compress (prefix caching on): the request's prompt blocks may be shared or cached, so
+    #: its first compaction packs into ``spares`` (fresh blocks standing for the columns just
+    #: below the compression point, last spare = last column), never into its own blocks
+    copy_on_compress: bool = False
+    spares: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -57,6 +63,10 @@ class CompressionEvent:
 class WorkerReport(KVConnectorWorkerMetadata):
     freeable_blocks: dict[str, int] = field(default_factory=dict)  # req_id -> leading columns
     events: list[CompressionEvent] = field(default_factory=list)
+    #: copy-on-compress settled: req_id -> {column: spare block id} the compaction wrote ({}: none)
+    copied: dict[str, dict[int, int]] = field(default_factory=dict)
+    #: copy-on-compress postponed: req_id -> spares the compaction needs (more than it was given)
+    spares_needed: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> WorkerReport:
         """One report for all tensor-parallel ranks: a block is free only if every rank freed it;
@@ -74,4 +84,10 @@ class WorkerReport(KVConnectorWorkerMetadata):
                 tokens_after=max(mine.tokens_after, e.tokens_after),
                 tokens_evicted=mine.tokens_evicted + e.tokens_evicted, tokens_total=mine.tokens_total + e.tokens_total,
                 num_heads=mine.num_heads + e.num_heads, seconds=max(mine.seconds, e.seconds))
-        return WorkerReport(merged, list(events.values()))
+        copied = {rid: dict(cols) for rid, cols in self.copied.items()}
+        for rid, cols in other.copied.items():
+            copied.setdefault(rid, {}).update(cols)
+        needed = dict(self.spares_needed)
+        for rid, n in other.spares_needed.items():
+            needed[rid] = max(n, needed.get(rid, n))
+        return WorkerReport(merged, list(events.values()), copied, needed)

@@ -116,26 +116,45 @@ class RequestPages:
         start = self.tail_col * self.geometry.block_size + (kept.numel() - m)
         return torch.cat([kept, torch.arange(start, start + length - kept.numel())])
 
+    def packed_pages(self, kept: list[list[torch.Tensor]], end: int) -> torch.Tensor:
+        """[L, H] packed pages each head needs to keep ``kept[l][h]`` at logical length ``end``.
+
+        Raises ValueError if a count is not ``≡ end (mod bs)``."""
+        bs = self.geometry.block_size
+        residue = end % bs
+        counts = torch.tensor([[len(idx) for idx in layer] for layer in kept], dtype=torch.long)
+        if bool(((counts - residue) % bs != 0).any()):
+            raise ValueError(f"kept counts must be ≡ {residue} (mod {bs}), got {counts.tolist()}")
+        return (counts - residue) // bs
+
+    def blocks_needed(self, kept: list[list[torch.Tensor]], end: int) -> int:
+        """Blocks the packed pages of ``kept`` fill (the columns just below ``end // bs``)."""
+        return ceil_div(int(self.packed_pages(kept, end).sum()), self.geometry.pages_per_block)
+
     def compact(
-        self, kept: list[list[torch.Tensor]], block_ids: torch.Tensor, end: int
+        self, kept: list[list[torch.Tensor]], block_ids: torch.Tensor, end: int,
+        destination: list[int] | None = None,
     ) -> tuple[Move, RequestPages]:
         """The cell moves and new page state after keeping virtual indices ``kept[l][h]``
         (sorted; each count ``≡ end (mod bs)`` or the whole head) at logical length ``end``.
 
-        Raises ValueError if the kept pages do not fit the request's live blocks (a bug: the
-        engine then leaves the request uncompressed).
+        Packed pages go into the request's own blocks of columns ``[G - K, G)``, or, given
+        ``destination`` (K block ids standing for those columns: copy-on-compress), into those.
+        Raises ValueError if the kept pages do not fit (a bug: the engine then leaves the
+        request uncompressed).
         """
         g, bs = self.geometry, self.geometry.block_size
         block_ids = torch.as_tensor(block_ids, dtype=torch.long)
         residue, growth = end % bs, end // bs
-        counts = torch.tensor([[len(idx) for idx in layer] for layer in kept], dtype=torch.long)
-        if bool(((counts - residue) % bs != 0).any()):
-            raise ValueError(f"kept counts must be ≡ {residue} (mod {bs}), got {counts.tolist()}")
-        pages = (counts - residue) // bs  # [L, H]
-        first = growth - ceil_div(int(pages.sum()), g.pages_per_block)
+        pages = self.packed_pages(kept, end)  # [L, H]
+        needed = ceil_div(int(pages.sum()), g.pages_per_block)
+        first = growth - needed
         if first < self.first_live_col:
             raise ValueError(f"{int(pages.sum())} pages do not fit columns [{self.first_live_col}, {growth})")
-        free = g.page_ids(block_ids[first:growth]).permute(2, 0, 1).reshape(-1)  # block-major
+        if destination is not None and len(destination) != needed:
+            raise ValueError(f"{needed} destination blocks needed, {len(destination)} given")
+        targets = block_ids[first:growth] if destination is None else torch.as_tensor(destination, dtype=torch.long)
+        free = g.page_ids(targets).permute(2, 0, 1).reshape(-1)  # block-major
         offsets = torch.cumsum(pages.flatten(), 0) - pages.flatten()
         packed = torch.full((*pages.shape, int(pages.max()) if pages.numel() else 0), NO_PAGE, dtype=torch.long)
         old_tables, lengths = self.tables(block_ids, end), self.lengths(end)

@@ -1,9 +1,15 @@
 """Scheduler half of the kvcomp connector (engine-core process).
 
-It learns each request's spec from ``sampling_params.extra_args``, keeps compressed requests out
-of the prefix cache (unique salt, no prefix reads: their blocks are rewritten in place), tells
-the worker which rows to watch every step, and frees the leading blocks the worker reports as
-dead — only after the worker confirmed the compaction.
+It learns each request's spec from ``sampling_params.extra_args``, tells the worker which rows
+to watch every step, and frees the leading blocks the worker reports as dead — only after the
+worker confirmed the compaction.
+
+Prefix caching (copy-on-compress, docs/engine.md): a request compressed at the end of its prompt
+reads cached prompt blocks like any other (its hit stops before the policy's observation
+window); once its prompt is cached, none of its later blocks are hashed; its first compaction
+packs into fresh *spare* blocks sent with the step that completes the prompt, which then replace
+the prompt blocks in its table (those go back to the pool still cached, contents unchanged).
+Requests compressing during prefill, and hybrid models, are salted out of the cache instead.
 """
 
 from __future__ import annotations
@@ -75,6 +81,23 @@ class RequestStats:
 
 
 @dataclass
+class CopyOnCompress:
+    """Scheduler state of a request that shares the prefix cache (see the module docstring)."""
+
+    window: int  # trailing prompt tokens the policy must compute itself (its query window)
+    kept_bound: int | None  # mean kept tokens per head after the prompt, if the policy bounds it
+    spares: list[Any] = field(default_factory=list)  # vLLM blocks sent to the worker, not yet placed
+    held: list[Any] = field(default_factory=list)  # spares the table could not take (freed at the end)
+    needed: int = 0  # spares the worker asked for (a postponed compaction)
+    caching_stopped: bool = False
+    settled: bool = False  # the first compaction happened (or was not needed)
+
+    def release(self, kv_cache_manager) -> None:
+        vllm_compat.release_blocks(kv_cache_manager, self.spares + self.held)
+        self.spares, self.held = [], []
+
+
+@dataclass
 class KVCompScheduler:
     """Scheduler-side bookkeeping. ``kv_cache_manager`` is bound by vLLM after construction."""
 
@@ -90,6 +113,8 @@ class KVCompScheduler:
     finished: list[dict[str, Any]] = field(default_factory=list)  # results since the last stats
     blocks_freed_total: int = 0
     preemptions: int = 0
+    copy_on_compress: bool = False  # prefix caching on a model we can share it on
+    cow: dict[str, CopyOnCompress] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ admission
     def on_new_request(self, request) -> None:
@@ -109,6 +134,11 @@ class KVCompScheduler:
             return
         self.requests[request.request_id] = RequestStats(spec=spec, prompt_len=request.num_prompt_tokens,
                                                          peak_tokens=peak)
+        if self.copy_on_compress and peak is None:
+            policy = spec.build_policy()
+            self.cow[request.request_id] = CopyOnCompress(
+                window=policy.queries_needed(), kept_bound=policy.mean_kept_bound(request.num_prompt_tokens))
+            return
         # Compaction rewrites this request's blocks in place: keep them out of everyone's prefix
         # cache (unique salt chains into every block hash) and never read cached prefixes.
         vllm_compat.salt_out_of_prefix_cache(request, f"kvcomp:{request.request_id}")
@@ -136,6 +166,15 @@ class KVCompScheduler:
         """Start scheduling with vLLM's cache manager: admit streaming requests by their peak."""
         self.kv_cache_manager = kv_cache_manager
         vllm_compat.admit_by(kv_cache_manager, self.admission_tokens)
+        self.copy_on_compress = self.enabled and vllm_compat.copy_on_compress_supported(kv_cache_manager)
+        if self.copy_on_compress:
+            vllm_compat.cap_prefix_cache_hits(kv_cache_manager, self.cache_hit_cap)
+
+    def cache_hit_cap(self, request) -> int | None:
+        """Most prefix-cache tokens a request may read: a compressed one computes its window itself."""
+        cow = self.cow.get(request.request_id)
+        stats = self.requests.get(request.request_id)
+        return None if cow is None or stats is None else max(stats.prompt_len - cow.window, 0)
 
     def admission_tokens(self, request) -> int | None:
         stats = self.requests.get(request.request_id)
@@ -152,6 +191,10 @@ class KVCompScheduler:
                 self.freed.pop(rid, None)
                 stats.preemptions += 1
                 self.preemptions += 1
+                cow = self.cow.get(rid)
+                if cow is not None:
+                    cow.release(self.kv_cache_manager)
+                    self.cow[rid] = CopyOnCompress(window=cow.window, kept_bound=cow.kept_bound)
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
@@ -161,23 +204,51 @@ class KVCompScheduler:
                 continue
             block_ids = vllm_compat.request_block_ids(self.kv_cache_manager, rid, self.group)
             pos = computed[rid]
-            meta.requests.append(
-                ScheduledRequest(
-                    req_id=rid,
-                    spec=stats.spec.to_dict(),
-                    prompt_len=stats.prompt_len,
-                    num_computed=pos,
-                    num_scheduled=num_scheduled,
-                    block_ids=block_ids,
-                    first_slot=block_ids[pos // self.block_size] * self.block_size + pos % self.block_size,
-                )
+            scheduled = ScheduledRequest(
+                req_id=rid,
+                spec=stats.spec.to_dict(),
+                prompt_len=stats.prompt_len,
+                num_computed=pos,
+                num_scheduled=num_scheduled,
+                block_ids=block_ids,
+                first_slot=block_ids[pos // self.block_size] * self.block_size + pos % self.block_size,
             )
+            cow = self.cow.get(rid)
+            if cow is not None and not cow.settled and pos + num_scheduled >= stats.prompt_len:
+                self._send_spares(rid, cow, scheduled, pos + num_scheduled)
+            meta.requests.append(scheduled)
         return meta
+
+    def _send_spares(self, rid: str, cow: CopyOnCompress, scheduled: ScheduledRequest, end: int) -> None:
+        """The step that completes the prompt: stop hashing the request's blocks (its prompt's
+        are cached by now) and send spares for its first compaction (as many as the policy's
+        bound, or the worker's count, asks). If the pool is short, the request's own columns the
+        compaction may write leave the prefix cache and it packs in place; if another request
+        shares one of them, the worker waits for spares."""
+        if not cow.caching_stopped:
+            vllm_compat.stop_caching_blocks(self.kv_cache_manager, rid)
+            cow.caching_stopped = True
+        columns = end // self.block_size
+        bound = columns if cow.kept_bound is None else min(columns, -(-cow.kept_bound // self.block_size) + 1)
+        need = max(bound, cow.needed)
+        more = vllm_compat.new_blocks(self.kv_cache_manager, need - len(cow.spares))
+        if more is None and vllm_compat.make_private(self.kv_cache_manager, rid, columns - need, columns, self.group):
+            cow.release(self.kv_cache_manager)
+            cow.settled = True  # in place, as without prefix caching
+            return
+        cow.spares.extend(more or [])
+        scheduled.copy_on_compress = True
+        scheduled.spares = [block.block_id for block in cow.spares]
 
     # ------------------------------------------------------------------ worker confirmations
     def on_worker_report(self, report: WorkerReport | None) -> None:
         if report is None:
             return
+        for rid, needed in report.spares_needed.items():
+            if rid in self.cow:
+                self.cow[rid].needed = needed
+        for rid, columns in report.copied.items():
+            self._place_spares(rid, columns, report.freeable_blocks.get(rid, 0))
         for rid, columns in report.freeable_blocks.items():
             stats = self.requests.get(rid)
             if stats is None or not vllm_compat.holds_blocks(self.kv_cache_manager, rid, self.group):
@@ -194,9 +265,30 @@ class KVCompScheduler:
                 stats.record(event)
             self.events.append(event)
 
+    def _place_spares(self, rid: str, columns: dict[int, int], freeable: int) -> None:
+        """The first compaction packed into spares for ``columns``: they replace the request's
+        prompt blocks there (released, still cached); unused spares go back. If some rank still
+        reads those columns in place (it kept everything), the spares are held to the end."""
+        cow = self.cow.get(rid)
+        if cow is None or cow.settled or not vllm_compat.holds_blocks(self.kv_cache_manager, rid, self.group):
+            return
+        cow.settled = True
+        by_id = {block.block_id: block for block in cow.spares}
+        used = {col: by_id[block] for col, block in columns.items()}
+        if used and freeable < min(used):
+            cow.held = list(used.values())
+        else:
+            vllm_compat.install_blocks(self.kv_cache_manager, rid, used, self.group)
+        cow.spares = [block for block in cow.spares if block.block_id not in set(columns.values())]
+        vllm_compat.release_blocks(self.kv_cache_manager, cow.spares)
+        cow.spares = []
+
     def on_finished(self, request) -> dict[str, Any] | None:
         stats = self.requests.pop(request.request_id, None)
         self.freed.pop(request.request_id, None)
+        cow = self.cow.pop(request.request_id, None)
+        if cow is not None:
+            cow.release(self.kv_cache_manager)
         if stats is None:
             return None
         self.dropped.append(request.request_id)

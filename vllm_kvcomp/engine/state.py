@@ -41,6 +41,10 @@ class CompressedRequest:
     compensation: list[Compensation | None] = field(default_factory=list)  # per layer
     steps_since: int = 0  # decode forwards since the last compression
     prompt_done: bool = False  # compressed at the end of the prompt (decode recompressions follow)
+    #: copy-on-compress: column -> spare block the first compaction packed into (the scheduler's
+    #: block table says so too once it has processed the report; until then this is the truth)
+    block_override: dict[int, int] = field(default_factory=dict)
+    spares_needed: int = 0  # copy-on-compress postponed: wait until this many spares come
 
     @property
     def compressed(self) -> bool:

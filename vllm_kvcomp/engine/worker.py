@@ -9,6 +9,7 @@ the kept tokens. The platform only enters through the :class:`PagedCache` of the
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -112,6 +113,9 @@ class KVCompWorker:
         for r in meta.requests:
             if r.req_id not in self.requests:
                 self.requests[r.req_id] = self._new_state(r)
+            override = self.requests[r.req_id].block_override
+            if override:
+                r.block_ids = [override.get(col, block) for col, block in enumerate(r.block_ids)]
 
     def _new_state(self, r: ScheduledRequest) -> CompressedRequest:
         """State for a new request; a spec that cannot be built (e.g. a missing calibration
@@ -229,8 +233,9 @@ class KVCompWorker:
             live = int(self.ranks.reduce(int(state.pages.lengths(end).max()), max))  # over every rank's heads
             if not state.prompt_done:
                 if end >= sched.prompt_len:
-                    self._compress(rid, state, sched, end, decode=False)
-                    state.prompt_done = True
+                    if self._waits_for_spares(state, sched):
+                        continue
+                    state.prompt_done = self._compress(rid, state, sched, end, decode=False)
                 elif policy.prefill == "stream":
                     if state.policy_state.budget is None:  # the whole prompt's, not this chunk's
                         state.policy_state.budget = policy.prefill_budget(sched.prompt_len)
@@ -271,8 +276,22 @@ class KVCompWorker:
             ))
         return inputs
 
-    def _compress(self, rid: str, state: CompressedRequest, sched: ScheduledRequest, end: int, decode: bool) -> None:
+    @staticmethod
+    def _copies(state: CompressedRequest, sched: ScheduledRequest) -> bool:
+        """Whether this compaction must not write into the request's own blocks (copy-on-compress:
+        its prompt blocks may be cached or shared; later compactions only touch private ones)."""
+        return sched.copy_on_compress and not state.pages.compressed
+
+    def _waits_for_spares(self, state: CompressedRequest, sched: ScheduledRequest) -> bool:
+        """A postponed copy-on-compress compaction waits until the scheduler sends enough spares."""
+        return self._copies(state, sched) and len(sched.spares) < state.spares_needed
+
+    def _compress(self, rid: str, state: CompressedRequest, sched: ScheduledRequest, end: int, decode: bool) -> bool:
+        """Select and pack; False if postponed (copy-on-compress with too few spares: the policy
+        state is rolled back and the scheduler told how many spares to send)."""
         started = time.perf_counter()
+        copies = self._copies(state, sched)
+        snapshot = copy.deepcopy(state.policy_state) if copies else None
         block_ids = torch.tensor(sched.block_ids, dtype=torch.long)
         inputs = self._layer_inputs(state, block_ids, end)
         state.policy_state.page_quantum = (self.block_size, end % self.block_size)
@@ -282,16 +301,31 @@ class KVCompWorker:
                 for layer, (kv, sel) in enumerate(zip(inputs, selections))]
         after = torch.tensor([[len(idx) for idx in layer] for layer in kept])
         compensations = [sel.compensation for sel in selections]
-        if bool((after < before).any()) or any(c is not None for c in compensations):
+        compacts = bool((after < before).any()) or any(c is not None for c in compensations)
+        destination, columns = None, {}
+        if copies:
+            mine = state.pages.blocks_needed(kept, end) if compacts else 0
+            needed = int(self.ranks.reduce(mine, max))  # every rank postpones, or none
+            if needed > len(sched.spares):
+                state.policy_state = snapshot
+                state.spares_needed = self._report.spares_needed[rid] = needed
+                return False
+            destination = sched.spares[len(sched.spares) - mine :]  # last spare = last column
+            growth = end // self.block_size
+            columns = {growth - mine + i: block for i, block in enumerate(destination)}
+            self._report.copied[rid] = columns
+        if compacts:
             try:
-                move, pages = state.pages.compact(kept, block_ids, end)
+                move, pages = state.pages.compact(kept, block_ids, end, destination)
             except ValueError as err:  # a bug, not bad input: keep serving, uncompressed
                 logger.error("request %s left uncompressed: %s", rid, err)
                 state.spec = CompressionSpec()
-                return
+                self._report.copied[rid] = {}
+                return True
             self.cache.move(move)
             state.pages = pages
-            self._report.freeable_blocks[rid] = pages.first_live_col
+            state.block_override.update(columns)
+        self._report.freeable_blocks[rid] = state.pages.first_live_col  # 0: natural layout (for other ranks)
         for layer, comp in enumerate(compensations):
             if comp is not None:  # the policy folds earlier entries in if it wants
                 state.compensation[layer] = comp
@@ -303,10 +337,11 @@ class KVCompWorker:
             num_tokens=end,
             seconds=time.perf_counter() - started, decode=decode,
         ))
+        return True
 
     def take_report(self) -> WorkerReport | None:
         report, self._report = self._report, WorkerReport()
-        if not report.freeable_blocks and not report.events:
+        if not (report.freeable_blocks or report.events or report.copied or report.spares_needed):
             return None
         return report
 

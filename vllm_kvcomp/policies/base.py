@@ -341,6 +341,12 @@ class Policy:
         """How many trailing queries per layer the policy reads (0 = attention-free)."""
         return 0
 
+    def mean_kept_bound(self, prompt_len: int) -> int | None:
+        """Most tokens per (layer, head), on average over them, the prompt-end compression keeps
+        before page rounding; None if the policy does not bound it (the engine then plans for
+        the whole prompt)."""
+        return None
+
     def kept_for(self, n_tokens: int) -> int:
         """Per-head kept count for ``n_tokens`` live tokens (ratio or budget of this policy)."""
         return kept_count(n_tokens, getattr(self, "ratio", None), getattr(self, "budget", None))
@@ -415,6 +421,11 @@ class ScorePolicy(Policy):
 
         ``selection`` is what is kept (page-rounded); ``chosen`` the slots the allocation picked.
         """
+
+    def mean_kept_bound(self, prompt_len: int) -> int | None:
+        """Every allocation keeps ``target_budget`` tokens per head on average (adaptive heads
+        move budget between heads, never add to it)."""
+        return self.target_budget(prompt_len)
 
     def allocates_across_heads(self) -> bool:
         """Whether :meth:`allocate` ranks the heads of a layer against each other."""

@@ -127,6 +127,9 @@ class AdaptiveHeads(_Wrapper):
         if not 0.0 <= self.floor <= 1.0:
             raise SpecError("floor", f"{self.floor:g} is out of range", "a number in [0, 1]")
 
+    def mean_kept_bound(self, prompt_len: int) -> int | None:
+        return self.target_budget(prompt_len)  # spread over heads, the layer total is H·B
+
     def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
         if state.budget is None:
             state.budget = self.target_budget(int(kv.valid_lengths().max()))
