@@ -92,6 +92,21 @@ def test_cells_round_trip_across_layers_without_touching_neighbours(kind, device
     assert int((cache.pages != 0).sum()) == 3 * 2 * D
 
 
+@pytest.mark.parametrize(("kind", "device"), CASES)
+def test_read_pages_equals_reading_every_cell(kind, device):
+    cache = CLASSES[kind](buffer(device))
+    cache.pages.copy_(torch.randn_like(cache.pages))
+    pages = torch.randint(0, cache.num_pages, (L, HK, 3), device=device)  # [L, H, n] any pages, any order
+    keys, values = cache.read_pages(pages)
+    assert keys.shape == values.shape == (L, HK, 3 * BS, D)
+    cells = torch.arange(3 * BS, device=device)
+    for layer in range(L):
+        for head in range(HK):
+            want_k, want_v = cache.read_cells(pages[layer, head, cells // BS], cells % BS)
+            torch.testing.assert_close(keys[layer, head], want_k, rtol=0, atol=0)
+            torch.testing.assert_close(values[layer, head], want_v, rtol=0, atol=0)
+
+
 def test_refusals():
     with pytest.raises(NotImplementedError, match="kv-cache-dtype auto"):
         CudaPagedCache([torch.zeros(2, HK, BS, 2 * D, dtype=torch.uint8)])

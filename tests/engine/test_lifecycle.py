@@ -43,7 +43,8 @@ def test_compression_frees_blocks_and_finish_returns_them(engine, ratio):
     free0 = engine.free_blocks
     n = 300
     rid = _add(engine, f"free-{ratio}", prompt_ids(n, 1), params(8, policy="streamingllm", ratio=ratio))
-    engine.llm.llm_engine.step()  # whole prompt (< max_num_batched_tokens): prefill + compression
+    engine.llm.llm_engine.step()  # whole prompt (< max_num_batched_tokens): prefill, first token
+    engine.llm.llm_engine.step()  # compression (before this step's forward), decode
     residue = n % BLOCK_SIZE
     kept = math.ceil(ratio * n) + (residue - math.ceil(ratio * n)) % BLOCK_SIZE  # rounded to the page grid
     pages = (kept - residue) // BLOCK_SIZE  # full packed pages per (layer, head): one block's worth
@@ -74,7 +75,8 @@ def test_abort_after_compression_and_mid_decode(engine, decode_steps):
     _drain(engine)
     free0 = engine.free_blocks
     rid = _add(engine, f"abort-{decode_steps}", prompt_ids(400, 3), params(64, policy="streamingllm", ratio=0.25))
-    engine.llm.llm_engine.step()
+    engine.llm.llm_engine.step()  # prefill
+    engine.llm.llm_engine.step()  # compression, decode
     assert engine.sched_connector.requests[rid].blocks_freed > 0
     for _ in range(decode_steps):
         engine.llm.llm_engine.step()
@@ -103,7 +105,8 @@ def test_preemption_recompresses_and_leaks_nothing(engine):
     for i, out in enumerate(outputs):
         stats = (out.kv_transfer_params or {}).get("kvcomp")
         if stats and stats["preemptions"]:
-            assert stats["compressions"] == stats["preemptions"] + 1
+            # once per admission, unless preempted before its compression ran (the next step)
+            assert 1 <= stats["compressions"] <= stats["preemptions"] + 1
             recompressed += 1
         else:
             assert list(out.outputs[0].token_ids) == list(solo[i]), f"request {i} changed"

@@ -14,6 +14,7 @@ import sys
 from vllm_kvcomp.bench.common import default_out, run_benchmark
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
+    "cost": ("vllm_kvcomp.bench.cost", "compression seconds as a share of TTFT, per policy, one request"),
     "engine": ("vllm_kvcomp.bench.engine", "memory and throughput inside vLLM, full vs policies"),
     "kernels": ("vllm_kvcomp.bench.kernels", "decode-attention kernel bandwidth vs device copy"),
     "kept": ("vllm_kvcomp.bench.kept", "kept fraction of every policy after prefill (HF oracle)"),

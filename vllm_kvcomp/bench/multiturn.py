@@ -6,7 +6,7 @@ question and generates ``--answer-len`` tokens. Full cache and each compressed c
 ``--conversations`` conversations each (their own documents), one request at a time, against
 one ``vllm-kvcomp serve`` with prefix caching on. Per turn: prefix-cache hits over prompt
 tokens (``vllm:prefix_cache_hits`` / ``vllm:prefix_cache_queries`` deltas), time to first token,
-and the tokens kept per (layer, KV head) (usage ``kv_compression.tokens_kept``; full: the prompt).
+the gap to the second token (a compressed request's prompt-end compression runs before it), and the tokens kept per (layer, KV head) (usage ``kv_compression.tokens_kept``; full: the prompt).
 
 ::
 
@@ -34,6 +34,7 @@ class Turn:
     prompt_tokens: int
     hit_tokens: float
     ttft_s: float
+    second_s: float  # gap between the first and second token (the prompt-end compression runs there)
     kv_tokens: float  # usage tokens_kept: mean per (layer, KV head) after the last compression
 
 
@@ -69,7 +70,8 @@ async def _conversation(url: str, args, header: str | None, seed: int) -> list[T
             after = await _counters(client, url)
             kv = (stream.usage or {}).get("kv_compression")
             held = len(prompt) + args.answer_len if kv is None else kv["tokens_kept"]
-            turns.append(Turn(len(prompt), after.get(HITS, 0) - before.get(HITS, 0), stream.first - stream.sent, held))
+            turns.append(Turn(len(prompt), after.get(HITS, 0) - before.get(HITS, 0), stream.first - stream.sent,
+                              stream.token_times[1] - stream.token_times[0], held))
             history = prompt + stream.token_ids
     return turns
 
@@ -104,15 +106,16 @@ def _report(args, results: dict[str, list[list[Turn]]]) -> str:
              f"{args.doc_len}-token document, {args.turns} turns of {args.question_len}-token questions and "
              f"{args.answer_len}-token answers; medians of {args.conversations} conversations per config "
              "(each its own document), one request at a time.", "",
-             "| config | turn | prompt tokens | cache hits | hit rate | TTFT (s) | TTFT vs full | kept tokens / head (usage) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| config | turn | prompt tokens | cache hits | hit rate | TTFT (s) | TTFT vs full | token 2 (s) "
+             "| kept tokens / head (usage) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for config, runs in results.items():
         for t in range(args.turns):
             prompt = _median(runs, t, "prompt_tokens")
             hits, ttft = _median(runs, t, "hit_tokens"), _median(runs, t, "ttft_s")
             vs = f"{ttft / _median(full, t, 'ttft_s'):.2f}x" if full else "-"
             lines.append(f"| {config} | {t + 1} | {prompt:.0f} | {hits:.0f} | {hits / prompt:.1%} | {ttft:.3f} | "
-                         f"{vs} | {_median(runs, t, 'kv_tokens'):.0f} |")
+                         f"{vs} | {_median(runs, t, 'second_s'):.3f} | {_median(runs, t, 'kv_tokens'):.0f} |")
     return "\n".join(lines)
 
 

@@ -9,8 +9,8 @@ block size 32):
   vLLM's own gauge, the same for full and compressed) and the aggregate decode tokens/s (tokens
   that arrived in that window / its length); ``usage.kv_compression.kept_fraction`` too. Full
   cache runs first and last; the table uses their mean and shows both.
-- ``admit``: a fixed pool (``--admit-pool`` blocks); ``--admit-requests`` clients at once with
-  short outputs: the peak of ``vllm:num_requests_running``.
+- ``admit``: a fixed pool (``--admit-pool`` blocks); ``--admit-requests`` clients at once, each
+  ``--admit-tokens`` output tokens: the peak of ``vllm:num_requests_running``.
 - ``membound``: a pool of about two full-cache requests (``--membound-pool``), 8 clients at once,
   long outputs: output tokens/s over the whole run, at ``--membound-ratio``.
 
@@ -69,7 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--admit-pool", type=int, default=16 * 66, help="admit: KV blocks (16 full requests)")
     parser.add_argument("--admit-requests", type=int, default=64)
-    parser.add_argument("--admit-ratios", default="0.25", help="admit: ratios to run (each costs ~4 min)")
+    parser.add_argument("--admit-ratios", default="0.25", help="admit: ratios to run (each costs ~5 min)")
+    parser.add_argument("--admit-tokens", type=int, default=128,
+                        help="admit: output tokens per request (long enough that the pool, not the prefill rate, "
+                             "bounds how many run at once)")
     parser.add_argument("--membound-pool", type=int, default=2 * 72, help="membound: KV blocks (~2 full)")
     parser.add_argument("--membound-clients", type=int, default=8)
     parser.add_argument("--membound-tokens", type=int, default=256)
@@ -124,7 +127,7 @@ def _phase_held(args, configs) -> dict:
 
 async def _peak_running(url: str, args, header: str | None, seed: int) -> int:
     async with MetricsSampler(url, (RUNNING,), period=0.5) as sampler:
-        await _streams(url, args, header, args.admit_requests, 8, seed)
+        await _streams(url, args, header, args.admit_requests, args.admit_tokens, seed)
     return int(max(sampler.values(RUNNING), default=0))
 
 
@@ -191,8 +194,8 @@ def _report(args, configs, results) -> str:
                       f"{a.blocks:.1f} and {b.blocks:.1f} blocks per request (the table uses their mean).",
                       f"held: {args.streams} streams x {args.decode_tokens} output tokens, pool {args.pool_held} blocks."]
         if admit:
-            lines.append(f"admit: pool {args.admit_pool} blocks, {args.admit_requests} clients at once, 8 output "
-                         "tokens each; peak running requests.")
+            lines.append(f"admit: pool {args.admit_pool} blocks, {args.admit_requests} clients at once, "
+                         f"{args.admit_tokens} output tokens each; peak running requests.")
     if membound:
         full = statistics.mean(membound["full"])
         lines += ["", f"Memory-bound pool ({args.membound_pool} blocks, {args.membound_clients} clients, "

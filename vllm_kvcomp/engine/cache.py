@@ -21,6 +21,7 @@ the token natively. Both are tested against the one reference
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 
 import torch
@@ -62,10 +63,25 @@ class PagedCache(ABC):
         self.dtype = caches[0].dtype
         self.device = caches[0].device
         self.pages = torch.as_strided(caches[0], (self.num_pages, self.page_elems), (self.page_elems, 1), 0)
+        self._scratch: dict[str, torch.Tensor] = {}
 
     @abstractmethod
     def read_cells(self, pages: torch.Tensor, offsets: torch.Tensor) -> Tensors:
         """Keys, values [n, D] (copies) of the cells at (``pages``, ``offsets``) [n]."""
+
+    @abstractmethod
+    def read_pages(self, pages: torch.Tensor) -> Tensors:
+        """Keys, values [..., n * bs, D] of whole ``pages`` [..., n], cells in page order: copies
+        in buffers this cache reuses, valid until its next ``read_pages``."""
+
+    def scratch(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A reused buffer of ``shape`` (grown when too small; fresh allocations of the size of
+        a whole request's cache cost more in page faults than the copy itself)."""
+        size = math.prod(shape)
+        buf = self._scratch.get(name)
+        if buf is None or buf.numel() < size:
+            buf = self._scratch[name] = torch.empty(size, dtype=self.dtype, device=self.device)
+        return buf[:size].view(shape)
 
     @abstractmethod
     def write_cells(self, pages: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -107,6 +123,15 @@ class CpuPagedCache(PagedCache):
 
     def read_cells(self, pages: torch.Tensor, offsets: torch.Tensor) -> Tensors:
         return self.keys_t[pages, :, offsets], self.values[pages, offsets]
+
+    def read_pages(self, pages: torch.Tensor) -> Tensors:
+        bs, d, flat = self.geometry.block_size, self.head_dim, pages.reshape(-1)
+        gathered = torch.index_select(self.keys_t, 0, flat, out=self.scratch("keys_t", (flat.numel(), d, bs)))
+        keys = self.scratch("keys", (*pages.shape, bs, d))
+        keys.copy_(gathered.view(*pages.shape, d, bs).transpose(-1, -2))
+        values = self.scratch("values", (*pages.shape, bs, d))
+        torch.index_select(self.values, 0, flat, out=values.view(flat.numel(), bs, d))
+        return keys.flatten(-3, -2), values.flatten(-3, -2)
 
     def write_cells(self, pages: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.keys_t[pages, :, offsets] = keys.to(self.dtype)
@@ -173,6 +198,13 @@ class CudaPagedCache(PagedCache):
     def read_cells(self, pages: torch.Tensor, offsets: torch.Tensor) -> Tensors:
         cells = self.cells[pages, offsets, 0]
         return cells[:, : self.head_dim], cells[:, self.head_dim :]
+
+    def read_pages(self, pages: torch.Tensor) -> Tensors:
+        flat = pages.reshape(-1)
+        cells = self.scratch("cells", (flat.numel(), *self.cells.shape[1:]))
+        torch.index_select(self.cells, 0, flat, out=cells)
+        cells = cells.view(*pages.shape, -1, 2 * self.head_dim).flatten(-3, -2)  # [..., n * bs, 2D]
+        return cells[..., : self.head_dim], cells[..., self.head_dim :]
 
     def write_cells(self, pages: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.cells[pages, offsets, 0] = torch.cat([keys, values], dim=-1).to(self.dtype)

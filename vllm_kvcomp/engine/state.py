@@ -41,6 +41,7 @@ class CompressedRequest:
     compensation: list[Compensation | None] = field(default_factory=list)  # per layer
     steps_since: int = 0  # decode forwards since the last compression
     prompt_done: bool = False  # compressed at the end of the prompt (decode recompressions follow)
+    prompt_end: int | None = None  # the prompt is in the cache up to here, its compression pending
     #: copy-on-compress: column -> spare block the first compaction packed into (the scheduler's
     #: block table says so too once it has processed the report; until then this is the truth)
     block_override: dict[int, int] = field(default_factory=dict)

@@ -113,9 +113,15 @@ class KVCompWorker:
         for r in meta.requests:
             if r.req_id not in self.requests:
                 self.requests[r.req_id] = self._new_state(r)
-            override = self.requests[r.req_id].block_override
-            if override:
-                r.block_ids = [override.get(col, block) for col, block in enumerate(r.block_ids)]
+            state = self.requests[r.req_id]
+            if state.block_override:
+                r.block_ids = [state.block_override.get(col, block) for col, block in enumerate(r.block_ids)]
+            if state.prompt_end is not None and not self._waits_for_spares(state, r):
+                # The prompt-end compression runs here, before this step's forward, not after the
+                # forward that completed the prompt: the first token leaves first (TTFT), and the
+                # next token attends the compressed cache exactly as it would have.
+                if self._compress(r.req_id, state, r, state.prompt_end, decode=False):
+                    state.prompt_done, state.prompt_end = True, None
 
     def _new_state(self, r: ScheduledRequest) -> CompressedRequest:
         """State for a new request; a spec that cannot be built (e.g. a missing calibration
@@ -222,8 +228,9 @@ class KVCompWorker:
 
     # ------------------------------------------------------------------ after the forward
     def finish_step(self) -> None:
-        """Compress requests whose prefill just completed (or, with ``prefill=stream``, whose
-        prefill chunk left a head over its budget) or whose decode recompression is due."""
+        """Mark requests whose prefill just completed (compressed when the next step binds);
+        compress those whose ``prefill=stream`` chunk left a head over its budget or whose decode
+        recompression is due."""
         for rid, sched in self.step.items():
             state = self.requests.get(rid)
             if state is None or not state.spec.compresses:
@@ -233,9 +240,7 @@ class KVCompWorker:
             live = int(self.ranks.reduce(int(state.pages.lengths(end).max()), max))  # over every rank's heads
             if not state.prompt_done:
                 if end >= sched.prompt_len:
-                    if self._waits_for_spares(state, sched):
-                        continue
-                    state.prompt_done = self._compress(rid, state, sched, end, decode=False)
+                    state.prompt_end = end  # compressed when the next step binds (see bind)
                 elif policy.prefill == "stream":
                     if state.policy_state.budget is None:  # the whole prompt's, not this chunk's
                         state.policy_state.budget = policy.prefill_budget(sched.prompt_len)
@@ -248,17 +253,18 @@ class KVCompWorker:
 
     def _layer_inputs(self, state: CompressedRequest, block_ids: torch.Tensor, end: int) -> list[LayerKV]:
         """Every layer's live K/V, right-aligned per head as policies expect (read on the host)."""
-        bs = self.block_size
         tables, lengths = state.pages.tables(block_ids, end), state.pages.lengths(end)  # [L, H, W], [L, H]
         n = int(lengths.max())
-        virtual = torch.arange(n) - (n - lengths.unsqueeze(-1))  # [L, H, N]; < 0: left padding
-        live = virtual >= 0
-        index = virtual.clamp(min=0)
-        pages = tables.gather(2, index // bs)[live]
-        keys, values = self.cache.read_cells(pages.to(self.cache.device), (index % bs)[live].to(self.cache.device))
-        full_k = keys.new_zeros(*live.shape, keys.shape[-1])
-        full_v = values.new_zeros(*live.shape, values.shape[-1])
-        full_k[live.to(keys.device)], full_v[live.to(keys.device)] = keys, values
+        # a head's virtual sequence is its table's pages in order: read whole pages, one gather
+        full_k, full_v = self.cache.read_pages(tables.to(self.cache.device))  # [L, H, W * bs, D]
+        if bool((lengths == n).all()):  # every head equally long (e.g. the first compression)
+            full_k, full_v = full_k[:, :, :n], full_v[:, :, :n]
+        else:  # right-align each head, zeros on the left
+            virtual = torch.arange(n) - (n - lengths.unsqueeze(-1))  # [L, H, N]; < 0: left padding
+            index = virtual.clamp(min=0).unsqueeze(-1).expand(-1, -1, -1, full_k.shape[-1]).to(full_k.device)
+            pad = (virtual < 0).unsqueeze(-1).to(full_k.device)
+            full_k = full_k.gather(2, index).masked_fill_(pad, 0)
+            full_v = full_v.gather(2, index).masked_fill_(pad, 0)
         inputs = []
         for layer in range(self.num_layers):
             width = int(lengths[layer].max())

@@ -522,8 +522,7 @@ def keep_pinned(kv: LayerKV, pinned: torch.Tensor, sink: int, keep: int) -> tupl
 
 def entropy(probs: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Shannon entropy (nats) of probability rows along ``dim``; 0 log 0 = 0."""
-    logp = torch.where(probs > 0, probs.log(), torch.zeros_like(probs))
-    return -(probs * logp).sum(dim)
+    return -torch.special.xlogy(probs, probs).sum(dim)
 
 
 def ceil_div(a: int, b: int) -> int:
