@@ -116,12 +116,12 @@ class KVCompWorker:
             state = self.requests[r.req_id]
             if state.block_override:
                 r.block_ids = [state.block_override.get(col, block) for col, block in enumerate(r.block_ids)]
-            if state.prompt_end is not None and not self._waits_for_spares(state, r):
-                # The prompt-end compression runs here, before this step's forward, not after the
-                # forward that completed the prompt: the first token leaves first (TTFT), and the
-                # next token attends the compressed cache exactly as it would have.
-                if self._compress(r.req_id, state, r, state.prompt_end, decode=False):
-                    state.prompt_done, state.prompt_end = True, None
+            # The prompt-end compression runs here, before this step's forward, not after the
+            # forward that completed the prompt: the first token leaves first (TTFT), and the
+            # next token attends the compressed cache exactly as it would have.
+            due = state.prompt_end is not None and not self._waits_for_spares(state, r)
+            if due and self._compress(r.req_id, state, r, state.prompt_end, decode=False):
+                state.prompt_done, state.prompt_end = True, None
 
     def _new_state(self, r: ScheduledRequest) -> CompressedRequest:
         """State for a new request; a spec that cannot be built (e.g. a missing calibration
