@@ -123,6 +123,14 @@ def test_random_json_on_every_route_is_never_a_5xx(server, data):
     assert response.status_code < 500, response.text[:500]
 
 
+@pytest.mark.parametrize("raw", [b"[]", b"null", b"7", b'"x"', b"[{}]"])
+def test_a_json_value_that_is_not_an_object_is_never_a_5xx(server, raw):
+    """vLLM's untyped routes (e.g. /inference/v1/abort_requests) index the body as a dict."""
+    for path in FUZZED:
+        response = post(server, path, raw, None)
+        assert response.status_code < 500, (path, response.text[:300])
+
+
 def test_every_post_route_is_classified(server):
     """A vLLM upgrade that adds a POST route fails here until protocol.ROUTES or REFUSING has it."""
     with urllib.request.urlopen(f"{server.url}/openapi.json", timeout=10) as response:

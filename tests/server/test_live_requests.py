@@ -97,7 +97,7 @@ def test_no_compression_when_not_asked_or_asked_for_none(server, header):
 
 def test_operator_defaults_fill_in_what_the_request_left_unset(server):
     raw = server.client().completions.with_raw_response.create(
-        model=server.model, prompt=prompt_ids(600, seed=4), max_tokens=2, temperature=0,
+        model=server.model, prompt=prompt_ids(600, seed=4), max_tokens=3, temperature=0,
         extra_headers={HEADER: "lagkv; ratio=0.5"},
     )
     resolved = OperatorConfig.load(server.config_path).resolve(CompressionSpec.from_header("lagkv; ratio=0.5"))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -70,6 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admit-pool", type=int, default=16 * 66, help="admit: KV blocks (16 full requests)")
     parser.add_argument("--admit-requests", type=int, default=64)
     parser.add_argument("--admit-ratios", default="0.25", help="admit: ratios to run (each costs ~5 min)")
+    parser.add_argument("--admit-seconds", type=float, default=240,
+                        help="admit: watch this long, then cancel what is left (the peak comes early)")
     parser.add_argument("--admit-tokens", type=int, default=128,
                         help="admit: output tokens per request (long enough that the pool, not the prefill rate, "
                              "bounds how many run at once)")
@@ -126,8 +129,17 @@ def _phase_held(args, configs) -> dict:
 
 
 async def _peak_running(url: str, args, header: str | None, seed: int) -> int:
+    """Peak running requests within ``--admit-seconds`` of sending them all; the rest are then
+    cancelled (the server aborts them) and the server drains before the next config."""
     async with MetricsSampler(url, (RUNNING,), period=0.5) as sampler:
-        await _streams(url, args, header, args.admit_requests, args.admit_tokens, seed)
+        job = asyncio.ensure_future(_streams(url, args, header, args.admit_requests, args.admit_tokens, seed))
+        done, _ = await asyncio.wait({job}, timeout=args.admit_seconds)
+        if not done:
+            job.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await job
+        while sampler.values(RUNNING) and sampler.values(RUNNING)[-1] > 0:
+            await asyncio.sleep(1)
     return int(max(sampler.values(RUNNING), default=0))
 
 
@@ -195,7 +207,8 @@ def _report(args, configs, results) -> str:
                       f"held: {args.streams} streams x {args.decode_tokens} output tokens, pool {args.pool_held} blocks."]
         if admit:
             lines.append(f"admit: pool {args.admit_pool} blocks, {args.admit_requests} clients at once, "
-                         f"{args.admit_tokens} output tokens each; peak running requests.")
+                         f"{args.admit_tokens} output tokens each; peak running requests in the first "
+                         f"{args.admit_seconds:g} s.")
     if membound:
         full = statistics.mean(membound["full"])
         lines += ["", f"Memory-bound pool ({args.membound_pool} blocks, {args.membound_clients} clients, "

@@ -8,7 +8,8 @@ reads, or answers HTTP 400 itself so that nothing reaches the engine. Successful
 ``X-KV-Compression-Applied`` and, where the route reports usage, ``usage.kv_compression`` (in a
 stream: on the final chunk). Every other POST route refuses compression settings instead of
 ignoring them. A JSON body that cannot be parsed (syntax, nesting deeper than
-``protocol.MAX_JSON_DEPTH``, an integer too long to convert) is answered with a 400 here.
+``protocol.MAX_JSON_DEPTH``, an integer too long to convert), or that is not an object on a
+route outside :data:`protocol.ROUTES`, is answered with a 400 here.
 
 The operator config is the ``--kv-compression-config`` value that ``vllm-kvcomp serve`` adds to
 vLLM's arguments (``app.state.args``); without it every request gets the default config.
@@ -63,6 +64,9 @@ class KVCompressionMiddleware:
             if route is None:
                 body = await _form(scope, raw) if content == "form" else _json_body(raw)
                 protocol.refuse_elsewhere(scope["path"], headers, body)
+                if content == "json" and raw.strip() and not isinstance(body, dict):
+                    # every vLLM POST route reads an object; some index any other value (HTTP 500)
+                    raise protocol.RequestError("body", "must be a JSON object")
             elif raw.strip():  # an empty body is vLLM's to refuse
                 body = protocol.parse_json(raw)
                 if isinstance(body, dict):  # another JSON value is vLLM's to refuse
