@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--ratio", type=float, default=0.25)
     parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--small-pool", type=int, default=64, help="blocks of the last engine's pool")
+    parser.add_argument("--small-pool", type=int, default=60,
+                        help="blocks of the last engine's pool (x --times x 32 tokens must stay under the model's 8K positions)")
     parser.add_argument("--times", type=int, default=4, help="prompt of that engine = times x its pool")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
 
