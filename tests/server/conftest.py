@@ -182,6 +182,18 @@ def scrape(server: Server) -> dict[tuple[str, frozenset], float]:
     }
 
 
+def poll_metrics(server: Server, check, read=None, timeout: float = 15.0, period: float = 0.1):
+    """Read ``/metrics`` (with ``read``, default :func:`scrape`) until ``check(samples)`` holds or
+    ``timeout`` passes (stats reach the API server step by step); the last reading."""
+    read = read or scrape
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = read(server)
+        if check(samples) or time.monotonic() > deadline:
+            return samples
+        time.sleep(period)
+
+
 def metric(samples: dict[tuple[str, frozenset], float], name: str, **labels: str) -> float:
     """Sum of the samples called ``name`` whose labels include ``labels`` (0 if none)."""
     wanted = set(labels.items())

@@ -37,6 +37,7 @@ from tests.server.conftest import (
     Server,
     equal_budget_numbers,
     metric,
+    poll_metrics,
     prompt_ids,
     serving,
 )
@@ -94,12 +95,7 @@ def quick_scrape(server: Server) -> dict[tuple[str, frozenset], float]:
 
 def wait_until(server: Server, check, timeout: float = POLL_S):
     """Scrape until ``check(samples)`` holds or ``timeout`` passes; the last scrape."""
-    deadline = time.monotonic() + timeout
-    while True:
-        samples = quick_scrape(server)
-        if check(samples) or time.monotonic() > deadline:
-            return samples
-        time.sleep(0.2)
+    return poll_metrics(server, check, quick_scrape, timeout, period=0.2)
 
 
 def complete(server: Server, prompt: list[int], rank: str, header: str | None) -> dict:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from tests.server.conftest import equal_budget_numbers, metric, prompt_ids, scrape
+from tests.server.conftest import equal_budget_numbers, metric, poll_metrics, prompt_ids, scrape
 
 pytestmark = pytest.mark.server
 
@@ -16,12 +14,7 @@ POLL_S = 15
 
 def wait_until(server, check):
     """Scrape until ``check(samples)`` holds (stats reach the API server step by step)."""
-    deadline = time.monotonic() + POLL_S
-    while True:
-        samples = scrape(server)
-        if check(samples) or time.monotonic() > deadline:
-            return samples
-        time.sleep(0.1)
+    return poll_metrics(server, check, timeout=POLL_S)
 
 
 def test_counters_and_histograms_move_by_the_expected_amounts(server):
