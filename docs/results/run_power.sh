@@ -47,7 +47,9 @@ EVAL=(python3 -m vllm_kvcomp eval --model SmolLM2-135M-Instruct
 if [[ -n "${REPORT_ONLY:-}" ]]; then
   exec "${EVAL[@]}" --report-only
 fi
-python3 -m vllm_kvcomp serve --host 127.0.0.1 --port "$PORT" \
+# Prefix caching (vLLM's default, named here): a sample's prompt is the same under all 26
+# conditions and they go out one after another, so each prompt is prefilled about once.
+python3 -m vllm_kvcomp serve --host 127.0.0.1 --port "$PORT" --enable-prefix-caching \
   --kv-compression-config docs/results/operator.yaml &
 SERVER=$!
 trap 'kill "$SERVER" 2>/dev/null || true' EXIT

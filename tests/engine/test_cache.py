@@ -17,7 +17,7 @@ import torch
 
 from vllm_kvcomp.engine.backends import common
 from vllm_kvcomp.engine.backends.common import KVCompAttentionMixin, trim_rows
-from vllm_kvcomp.engine.cache import CpuPagedCache, CudaPagedCache
+from vllm_kvcomp.engine.cache import CpuPagedCache, CudaPagedCache, SequenceCompensation
 from vllm_kvcomp.engine.connector import KVCompConnector, paged_cache
 from vllm_kvcomp.engine.metadata import ScheduledRequest, StepMetadata
 from vllm_kvcomp.engine.plugin import backend_overrides
@@ -139,8 +139,9 @@ def test_attend_virtual_sequences_equals_eq5(kind, device):
     comp = (torch.randn(5, D, generator=gen), torch.randn(5, D, generator=gen), torch.tensor([4.0, 0, 0, 9.0, 2.0]))
     q = torch.randn(sum(queries), GROUP, D, generator=gen)
     starts = torch.cumsum(torch.tensor([0, *queries]), 0)
+    plan = SequenceCompensation.plan(*(t.unsqueeze(0) for t in comp), queries, torch.tensor([lengths]), BS, device)
     out = cache.attend(q.to(device), torch.stack(tables).to(device), torch.tensor(lengths).to(device),
-                       starts.to(device), SCALE, tuple(t.to(device) for t in comp))
+                       starts.to(device), SCALE, plan[0])
     for s, (keys, values) in enumerate(data):
         rows = slice(int(starts[s]), int(starts[s + 1]))
         ref = eq5(q[rows], keys, values, tuple(t[s] for t in comp))

@@ -14,7 +14,7 @@ from vllm_kvcomp.policies.base import LayerKV, RequestState
 from vllm_kvcomp.policies.entropy import (
     EntropyBudget,
     entropy_budgets,
-    layer_entropy,
+    attention_entropy,
     split_layer_budget,
 )
 
@@ -59,14 +59,35 @@ def test_split_layer_budget():
     assert split_layer_budget(1) == (0, 0, 1)
 
 
-def test_layer_entropy_uniform_and_one_hot():
-    n = 16
-    uniform = torch.full((2, 3, n), 1.0 / n)
-    assert layer_entropy(uniform) == pytest.approx(math.log(n))
-    one_hot = torch.zeros(2, 3, n)
-    one_hot[..., 4] = 1.0
-    assert layer_entropy(one_hot) == pytest.approx(0.0)
-    assert layer_entropy(torch.zeros(1, 2, n)) == 0.0  # empty rows are ignored
+def test_attention_entropy_uniform_one_hot_and_empty():
+    n, hidden = 16, float("-inf")
+    probs, value = attention_entropy(torch.zeros(2, 3, n))
+    assert value == pytest.approx(math.log(n))
+    torch.testing.assert_close(probs, torch.full((2, 3, n), 1.0 / n))
+    one_hot = torch.full((2, 3, n), hidden)
+    one_hot[..., 4] = 3.0
+    probs, value = attention_entropy(one_hot)
+    assert value == pytest.approx(0.0)
+    assert probs[..., 4].eq(1.0).all() and probs.sum() == 6.0
+    empty = torch.full((1, 2, n), hidden)
+    empty[0, 0, :2] = 0.0  # one row sees two keys (entropy log 2), the other none (ignored)
+    probs, value = attention_entropy(empty)
+    assert value == pytest.approx(math.log(2))
+    assert probs[0, 1].eq(0.0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_attention_entropy_equals_softmax_and_p_log_p(dtype):
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 5, 40, generator=gen, dtype=dtype) * 4
+    logits[torch.rand(4, 5, 40, generator=gen) < 0.3] = float("-inf")
+    logits[1, 2] = float("-inf")  # an empty row
+    expected = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    rows = -torch.special.xlogy(expected, expected).sum(-1)
+    probs, value = attention_entropy(logits.clone())
+    torch.testing.assert_close(probs, expected)
+    live = expected.sum(-1) > 0
+    assert value == pytest.approx(float(rows[live].mean()), rel=1e-5)
 
 
 def _layers(n: int = 64, heads: int = 2, dim: int = 8) -> list[LayerKV]:

@@ -23,18 +23,48 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
 from vllm_kvcomp import vllm_compat
 from vllm_kvcomp.engine.pages import Move, PageGeometry
-from vllm_kvcomp.policies.compensation import merge_partials
 
 Tensors = tuple[torch.Tensor, torch.Tensor]
-#: per virtual sequence: k_hat [S, D], v_hat [S, D], counts [S] float (0 = no token)
-SequenceCompensation = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 FLOAT_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
+
+@dataclass(frozen=True)
+class SequenceCompensation:
+    """One layer's compensation tokens per virtual sequence, and where they are.
+
+    ``keys``/``values`` [S, D], ``counts`` [S] float (0 = no token), on the cache's device;
+    ``groups``: the sequences that have a token, as (indices [C] on the device, T = their query
+    rows, W = pages of the longest), planned on the host by :meth:`plan` so attention reads
+    nothing back."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    counts: torch.Tensor
+    groups: tuple[tuple[torch.Tensor, int, int], ...]
+
+    @classmethod
+    def plan(cls, keys: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, query_rows: list[int],
+             lengths: torch.Tensor, block_size: int, device: torch.device | str) -> list[SequenceCompensation | None]:
+        """Every layer's tokens from host tensors (two reads in all): keys/values [L, S, D],
+        counts [L, S], ``query_rows`` T per sequence, ``lengths`` [L, S] the sequences' lengths.
+        None for a layer where no sequence has a token."""
+        present = (counts > 0).tolist()
+        pages = ((lengths + block_size - 1) // block_size).tolist()
+        out: list[SequenceCompensation | None] = []
+        for layer, has in enumerate(present):
+            groups = []
+            for t in sorted({q for q, p in zip(query_rows, has, strict=True) if p}):
+                seqs = [s for s, (q, p) in enumerate(zip(query_rows, has, strict=True)) if p and q == t]
+                groups.append((torch.tensor(seqs, device=device), t, max(pages[layer][s] for s in seqs)))
+            out.append(cls(keys[layer].to(device), values[layer].to(device), counts[layer].to(device), tuple(groups))
+                       if groups else None)
+        return out
 
 class PagedCache(ABC):
     """All layers' caches of one KV-cache group as one buffer of pages."""
@@ -159,27 +189,28 @@ class CpuPagedCache(PagedCache):
     def _compensate(self, out: torch.Tensor, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
                     query_start: torch.Tensor, scale: float, compensation: SequenceCompensation) -> None:
         """Merge the compensation token into ``out`` (in place) for the sequences that have one:
-        the LSE of their kept keys is recomputed in torch from their own pages only, batched over
-        the sequences with the same number of query rows."""
-        k_hat, v_hat, counts = compensation
-        seqs = torch.nonzero(counts > 0).flatten()
-        if seqs.numel() == 0:
-            return
-        bs = self.geometry.block_size
-        for s, group in _by_query_count(seqs, query_start):
-            width = int((lengths[s].max() + bs - 1) // bs)  # these sequences' own pages, not the batch's
-            rows = query_start[s].unsqueeze(1) + torch.arange(group)  # [C, T]
-            qs = q[rows].float()  # [C, T, G, D]
-            keys = self.keys_t[tables[s, :width]].float()  # [C, W, D, bs]
-            logits = torch.matmul(qs.unsqueeze(1), keys.unsqueeze(2)).permute(0, 2, 3, 1, 4).flatten(-2)
+        the LSE of their kept keys is recomputed in torch from their own pages only (one batched
+        matmul over the sequences with the same number of query rows), and the token's share of
+        the softmax is ``sigmoid(comp_lse - lse)``: ``out += share * (v_hat - out)``."""
+        k_hat, v_hat, counts = compensation.keys, compensation.values, compensation.counts
+        bs, d = self.geometry.block_size, self.head_dim
+        for s, group, width in compensation.groups:
+            c, heads = s.numel(), q.shape[1]
+            rows = (query_start[s].unsqueeze(1) + torch.arange(group)).flatten()  # [C*T]
+            qs = q[rows].float().view(c, group * heads, d) * scale  # [C, T*G, D]
+            pages = torch.index_select(self.pages, 0, tables[s, :width].flatten(),
+                                       out=self.scratch("comp_pages", (c * width, self.page_elems)))
+            keys = pages.view(c, width, 2, d, bs)[:, :, 0].float()  # K^T per page [C, W, D, bs]
+            logits = torch.matmul(qs.unsqueeze(1), keys).view(c, width, group, heads, bs)
             limit = lengths[s].view(-1, 1) - group + torch.arange(group) + 1  # causal: [C, T]
-            visible = torch.arange(width * bs).view(1, 1, -1) < limit.unsqueeze(-1)
-            lse = (logits * scale).masked_fill_(~visible.unsqueeze(2), float("-inf")).logsumexp(-1)  # [C, T, G]
-            comp_lse = torch.einsum("ctgd,cd->ctg", qs, k_hat[s].float()) * scale + counts[s].float().log().view(-1, 1, 1)
-            comp_out = v_hat[s].float().view(-1, 1, 1, self.head_dim).expand_as(qs)
-            merged, _ = merge_partials(out[rows].float().flatten(0, 1), lse.flatten(0, 1),
-                                       comp_out.flatten(0, 1), comp_lse.flatten(0, 1))
-            out[rows] = merged.view_as(qs).to(out.dtype)
+            cell = torch.arange(width * bs).view(1, width, 1, 1, bs)
+            logits.masked_fill_(cell >= limit.view(c, 1, group, 1, 1), float("-inf"))
+            top = logits.amax((1, 4), keepdim=True)  # finite: a sequence's last query sees >= 1 key
+            lse = (logits - top).exp_().sum((1, 4)).log_() + top.view(c, group, heads)  # [C, T, G]
+            comp_lse = torch.bmm(qs, k_hat[s].float().unsqueeze(-1)).view(c, group, heads)
+            share = torch.sigmoid(comp_lse + counts[s].float().log().view(-1, 1, 1) - lse).unsqueeze(-1)
+            kept = out[rows].float().view(c, group, heads, d)
+            out[rows] = (kept + share * (v_hat[s].float().view(c, 1, 1, d) - kept)).flatten(0, 1).to(out.dtype)
 
 
 class CudaPagedCache(PagedCache):
@@ -216,19 +247,13 @@ class CudaPagedCache(PagedCache):
         from vllm_kvcomp import kernels
 
         counts = query_start[1:] - query_start[:-1]
-        seq = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)  # [T]
+        seq = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts,
+                                      output_size=q.shape[0])  # [T] (sized: no read back)
         back = (query_start[1:] - 1)[seq] - torch.arange(seq.numel(), device=seq.device)  # tokens after each query
         comp = None
         if compensation is not None:
-            k_hat, v_hat, weight = compensation
-            comp = (k_hat[seq].unsqueeze(1), v_hat[seq].unsqueeze(1), weight[seq].unsqueeze(1))
+            comp = tuple(t[seq].unsqueeze(1) for t in (compensation.keys, compensation.values, compensation.counts))
         out, _ = kernels.decode_attention(q, self.cells, tables[seq], lengths[seq] - back, compensation=comp,
                                           scale=scale)
         return out
 
-
-def _by_query_count(seqs: torch.Tensor, query_start: torch.Tensor):
-    """(sequences, T) groups of ``seqs`` that have the same number T of query rows."""
-    counts = (query_start[seqs + 1] - query_start[seqs]).tolist()
-    for t in sorted(set(counts)):
-        yield seqs[torch.tensor([c == t for c in counts])], t

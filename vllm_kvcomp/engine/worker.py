@@ -53,6 +53,7 @@ class PagedBatch:
     query_start: torch.Tensor  # [S + 1] query rows of each sequence in the gathered queries
     gather: torch.Tensor  # [T_seq] index into query.view(-1, G, D) (token * H_kv + head)
     requests: list[CompressedRequest]
+    compensation: list[SequenceCompensation | None]  # per layer; None: no sequence has a token
 
 
 class KVCompWorker:
@@ -183,11 +184,12 @@ class KVCompWorker:
             group = query.shape[1] // self.num_kv_heads
             flat_q, flat_out = query.reshape(-1, group, query.shape[2]), output.view(-1, group, output.shape[2])
             out = self.cache.attend(flat_q[batch.gather], batch.tables[layer], batch.lengths[layer],
-                                    batch.query_start, scale, self._compensation(layer, batch))
+                                    batch.query_start, scale, batch.compensation[layer])
             flat_out[batch.gather] = out.to(output.dtype)
 
     def _paged_batch(self, rows: list[Row]) -> PagedBatch:
-        """Page tables and query layout of this step's compressed rows (built once per step)."""
+        """Page tables, query layout and compensation tokens of this step's compressed rows
+        (built once per step, on the host, so that the layers read nothing back)."""
         heads = self.num_kv_heads
         tables, lengths, counts, gather, requests = [], [], [], [], []
         for row in rows:
@@ -203,28 +205,30 @@ class KVCompWorker:
         padded = [torch.nn.functional.pad(t, (0, width - t.shape[2])) for t in tables]
         device = self.cache.device
         empty = torch.zeros(self.num_layers, 0, dtype=torch.long)
+        all_lengths = torch.cat(lengths, dim=1) if lengths else empty  # [L, S]
         return PagedBatch(
             tables=(torch.cat(padded, dim=1) if padded else empty.unsqueeze(-1)).to(device),
-            lengths=(torch.cat(lengths, dim=1) if lengths else empty).to(device),
+            lengths=all_lengths.to(device),
             query_start=torch.cumsum(torch.tensor([0, *counts]), 0).to(device),
             gather=(torch.cat(gather) if gather else torch.zeros(0, dtype=torch.long)).to(device),
             requests=requests,
+            compensation=self._compensation(requests, counts, all_lengths),
         )
 
-    def _compensation(self, layer: int, batch: PagedBatch) -> SequenceCompensation | None:
-        """Per-sequence compensation tokens of ``layer`` (count 0 = none), or None if no row has one."""
-        entries = [state.compensation[layer] for state in batch.requests]
-        if all(c is None for c in entries):
-            return None
-        heads, dim = self.num_kv_heads, self.cache.head_dim
-        k_hat = torch.zeros(len(entries), heads, dim)
+    def _compensation(self, requests: list[CompressedRequest], query_rows: list[int],
+                      lengths: torch.Tensor) -> list[SequenceCompensation | None]:
+        """Per layer, the sequences' compensation tokens (count 0 = none); None where no row has one."""
+        if all(c is None for state in requests for c in state.compensation):
+            return [None] * self.num_layers
+        shape = (self.num_layers, len(requests), self.num_kv_heads)
+        k_hat, counts = torch.zeros(*shape, self.cache.head_dim), torch.zeros(shape)
         v_hat = torch.zeros_like(k_hat)
-        counts = torch.zeros(len(entries), heads)
-        for r, comp in enumerate(entries):
-            if comp is not None:
-                k_hat[r], v_hat[r], counts[r] = comp.keys.float(), comp.values.float(), comp.counts.float()
-        device = self.cache.device
-        return k_hat.flatten(0, 1).to(device), v_hat.flatten(0, 1).to(device), counts.flatten().to(device)
+        for r, state in enumerate(requests):
+            for layer, comp in enumerate(state.compensation):
+                if comp is not None:
+                    k_hat[layer, r], v_hat[layer, r], counts[layer, r] = comp.keys, comp.values, comp.counts
+        return SequenceCompensation.plan(k_hat.flatten(1, 2), v_hat.flatten(1, 2), counts.flatten(1), query_rows,
+                                         lengths, self.block_size, self.cache.device)
 
     # ------------------------------------------------------------------ after the forward
     def finish_step(self) -> None:

@@ -520,11 +520,6 @@ def keep_pinned(kv: LayerKV, pinned: torch.Tensor, sink: int, keep: int) -> tupl
     return protected_topk(priority, keep, kv.valid_lengths(), sink, 0), priority
 
 
-def entropy(probs: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Shannon entropy (nats) of probability rows along ``dim``; 0 log 0 = 0."""
-    return -torch.special.xlogy(probs, probs).sum(dim)
-
-
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -36,21 +36,27 @@ from vllm_kvcomp.policies.base import (
     RequestState,
     Selection,
     SlotMemory,
-    entropy,
     keep_pinned,
     protected_topk,
-    window_attention,
+    window_logits,
 )
 
 
-def layer_entropy(probs: torch.Tensor, ranks: Ranks = ONE_RANK) -> float:
-    """Mean Shannon entropy (nats) of the non-empty attention rows of probs [H_q, w, N], over the
-    query heads of every tensor-parallel rank."""
-    rows = probs.float().flatten(0, 1)
-    live = rows.sum(-1) > 0
-    total = float(entropy(rows[live]).sum()) if bool(live.any()) else 0.0
+def attention_entropy(logits: torch.Tensor, ranks: Ranks = ONE_RANK) -> tuple[torch.Tensor, float]:
+    """Softmax of window logits [H_q, w, N] (-inf = hidden; overwritten) and its mean Shannon
+    entropy (nats) over the rows with a visible key, over the query heads of every tensor-parallel
+    rank. Returns (probs [H_q, w, N], zero on hidden slots and empty rows; entropy).
+
+    A row's entropy is ``lse - sum(p * logit)`` with ``lse = max logit - log(max p)``: no
+    logarithm per element (``-sum(p log p)`` cost ~4x the softmax itself)."""
+    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)
+    top = logits.amax(dim=-1)  # [H_q, w], -inf for an empty row
+    live = torch.isfinite(top)
+    lse = top - probs.amax(dim=-1).log()
+    rows = lse - torch.linalg.vecdot(probs, logits.clamp_(min=torch.finfo(logits.dtype).min))  # 0 * hidden = 0
+    total = float(rows[live].sum())
     count = ranks.reduce(int(live.sum()), sum)
-    return ranks.reduce(total, sum) / count if count else 0.0
+    return probs, (ranks.reduce(total, sum) / count if count else 0.0)
 
 
 def _solve_scale(e: torch.Tensor, low: int, high: int, total: int) -> float:
@@ -137,11 +143,11 @@ class EntropyBudget(Policy):
     def select(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
         if layers and all("budget" in state.layer(kv.layer) for kv in layers):
             return [self._slide(kv, state) for kv in layers]
-        probs = [window_attention(kv) for kv in layers]  # each [H_q, w, N]
+        stats = [attention_entropy(window_logits(kv), state.ranks) for kv in layers]
+        probs = [p for p, _ in stats]  # each [H_q, w, N]
         longest = max((int(kv.valid_lengths().max()) for kv in layers), default=0)
         target = self.target_budget(longest)
-        budgets = entropy_budgets([layer_entropy(p, state.ranks) for p in probs], target, self.min_ratio,
-                                  self.max_ratio)
+        budgets = entropy_budgets([e for _, e in stats], target, self.min_ratio, self.max_ratio)
         state.budget = max(budgets, default=target)
         return [self._select_shared(kv, p, b, state) for kv, p, b in zip(layers, probs, budgets)]
 
