@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from vllm_kvcomp.policies.base import LayerKV, RequestState
 from vllm_kvcomp.policies.entropy import (
     EntropyBudget,
-    entropy_budgets,
     attention_entropy,
+    entropy_budgets,
     split_layer_budget,
 )
 

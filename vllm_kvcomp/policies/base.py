@@ -534,7 +534,6 @@ __all__ = [
     "Selection",
     "SlotMemory",
     "ceil_div",
-    "entropy",
     "keep_pinned",
     "protected_topk",
     "reduce_gqa",
