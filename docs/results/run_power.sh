@@ -22,13 +22,11 @@
 # cell, the claims' verdicts, the lag sweep), docs/results/power/*.png (accuracy_<task>,
 # memory_<task> = accuracy vs KV held in decode, heatmap_<task>_<condition>).
 #
-# Wall time on this project's 2-core CPU machine, from the 2026-11-23 pilot (19 passkey5
-# requests at 2K, concurrency 2, 12 min) and the reference run's per-task latencies at 2K:
-#   ~3.2 h with the machine to itself (reference-run rate: 10.6-19 s per request by task, 2 in
-#   flight); ~17 h at the pilot's load (load average ~18 from other jobs: 67 s per request,
-#   5.5x slower; a 50-request niah run the same afternoon took 33 min). Interrupt and re-run
-#   freely; samples go out sample-major (index 0 of every cell, then index 1, ...), so a
-#   partial run leaves every cell with about the same n.
+# Wall time on this project's 2-core CPU machine: 66 minutes on 2026-11-23 (1500 samples, 2 in
+# flight, about 95 % of prompt tokens from the prefix cache: a sample's prompt is the same under
+# all 26 conditions and they go out one after another). Interrupt and re-run freely; samples go
+# out sample-major (index 0 of every cell, then index 1, ...), so a partial run leaves every cell
+# with about the same n.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PORT=${PORT:-8766}

@@ -22,13 +22,17 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
 
-def _yerr(cells: Sequence[Row]) -> list[list[float]]:
-    """Asymmetric error bars [[below...], [above...]] from each row's Wilson interval."""
-    below = [max(0.0, (w.accuracy or 0.0) - (w.low if w.low is not None else w.accuracy or 0.0))
-             for w in cells]
-    above = [max(0.0, (w.high if w.high is not None else w.accuracy or 0.0) - (w.accuracy or 0.0))
-             for w in cells]
+def _bars(points: Sequence[tuple[float | None, float | None, float | None]]) -> list[list[float]]:
+    """Asymmetric error bars [[below...], [above...]] from (centre, low, high) per point (a
+    missing bound: no bar; never negative, also when a mean of equal values rounds past them)."""
+    below = [max(0.0, (c or 0.0) - (lo if lo is not None else c or 0.0)) for c, lo, _ in points]
+    above = [max(0.0, (hi if hi is not None else c or 0.0) - (c or 0.0)) for c, _, hi in points]
     return [below, above]
+
+
+def _yerr(cells: Sequence[Row]) -> list[list[float]]:
+    """Error bars from each row's Wilson interval."""
+    return _bars([(w.accuracy, w.low, w.high) for w in cells])
 
 
 def _conditions(cells: Sequence[Row]) -> list[str]:
@@ -88,10 +92,7 @@ def _memory_panel(ax: Axes, cells: Sequence[Row], styles: dict[str, dict[str, An
             _full_band(ax, line[0])
             ax.plot([line[0].kept], [line[0].accuracy], marker="*", markersize=12, color="black")
             continue
-        xerr = [[(w.kept or 0) - (w.kept_min if w.kept_min is not None else w.kept or 0)
-                 for w in line],
-                [(w.kept_max if w.kept_max is not None else w.kept or 0) - (w.kept or 0)
-                 for w in line]]
+        xerr = _bars([(w.kept, w.kept_min, w.kept_max) for w in line])  # kept over the samples
         ax.errorbar([w.kept for w in line], [w.accuracy for w in line], yerr=_yerr(line),
                     xerr=xerr, capsize=3, label=name, **styles[name])
     ax.set_xlim(0.0, 1.05)
