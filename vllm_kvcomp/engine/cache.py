@@ -58,13 +58,16 @@ class SequenceCompensation:
         pages = ((lengths + block_size - 1) // block_size).tolist()
         out: list[SequenceCompensation | None] = []
         for layer, has in enumerate(present):
-            groups = []
-            for t in sorted({q for q, p in zip(query_rows, has, strict=True) if p}):
-                seqs = [s for s, (q, p) in enumerate(zip(query_rows, has, strict=True)) if p and q == t]
-                groups.append((torch.tensor(seqs, device=device), t, max(pages[layer][s] for s in seqs)))
-            out.append(cls(keys[layer].to(device), values[layer].to(device), counts[layer].to(device), tuple(groups))
+            by_rows: dict[int, list[int]] = {}  # T -> sequences with a token and T query rows
+            for s, (t, p) in enumerate(zip(query_rows, has, strict=True)):
+                if p:
+                    by_rows.setdefault(t, []).append(s)
+            groups = tuple((torch.tensor(seqs, device=device), t, max(pages[layer][s] for s in seqs))
+                           for t, seqs in sorted(by_rows.items()))
+            out.append(cls(keys[layer].to(device), values[layer].to(device), counts[layer].to(device), groups)
                        if groups else None)
         return out
+
 
 class PagedCache(ABC):
     """All layers' caches of one KV-cache group as one buffer of pages."""

@@ -226,8 +226,13 @@ def window_attention(kv: LayerKV) -> torch.Tensor:
 
     Returns [H_q, w, N] probabilities, zero on invalid or future (causal) slots.
     """
-    probs = torch.softmax(window_logits(kv), dim=-1)
-    return torch.nan_to_num(probs, nan=0.0)
+    return visible_softmax(window_logits(kv))
+
+
+def visible_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim of logits with -inf on hidden slots; a row with no visible
+    slot is all zeros (not NaN)."""
+    return torch.softmax(logits, dim=-1).nan_to_num_(0.0)
 
 
 def protected_topk(
@@ -537,5 +542,6 @@ __all__ = [
     "keep_pinned",
     "protected_topk",
     "reduce_gqa",
+    "visible_softmax",
     "window_attention",
 ]

@@ -38,6 +38,7 @@ from vllm_kvcomp.policies.base import (
     SlotMemory,
     keep_pinned,
     protected_topk,
+    visible_softmax,
     window_logits,
 )
 
@@ -49,7 +50,7 @@ def attention_entropy(logits: torch.Tensor, ranks: Ranks = ONE_RANK) -> tuple[to
 
     A row's entropy is ``lse - sum(p * logit)`` with ``lse = max logit - log(max p)``: no
     logarithm per element (``-sum(p log p)`` cost ~4x the softmax itself)."""
-    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)
+    probs = visible_softmax(logits)
     top = logits.amax(dim=-1)  # [H_q, w], -inf for an empty row
     live = torch.isfinite(top)
     lse = top - probs.amax(dim=-1).log()
