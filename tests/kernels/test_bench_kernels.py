@@ -1,4 +1,4 @@
-"""``vllm-kvcomp bench kernels --device cpu`` runs every backend on a tiny grid and writes its table."""
+"""``vllm-kvcomp bench kernels --device cpu`` runs every phase and backend on a tiny grid and writes its tables."""
 
 from __future__ import annotations
 
@@ -6,25 +6,34 @@ import argparse
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
+from tests.kernels.cases import INTERPRET
 from vllm_kvcomp.bench import kernels as bench_kernels
 from vllm_kvcomp.cli import main
 
 
-def test_cpu_smoke_run_writes_the_markdown_table(tmp_path: Path, capsys) -> None:
+@pytest.mark.skipif(not INTERPRET, reason="the CPU smoke run needs Triton's interpreter (TRITON_INTERPRET=1)")
+def test_cpu_smoke_run_writes_every_phase(tmp_path: Path, capsys) -> None:
     out, rows_json = tmp_path / "results" / "kernels.md", tmp_path / "rows.json"
-    grid = ["--device", "cpu", "--contexts", "40", "--batches", "2", "--kv-heads", "2"]
-    argv = [*grid, "--head-dim", "32", "--out", str(out), "--json", str(rows_json)]
+    grid = ["--device", "cpu", "--contexts", "40", "--batches", "2", "--kv-heads", "2", "--kept", "0.5"]
+    argv = [*grid, "--head-dim", "32", "--compact-context", "64", "--out", str(out), "--json", str(rows_json)]
     assert main(["bench", "kernels", *argv]) == 0
-    lines = out.read_text().splitlines()
-    assert lines[0] == f"# `vllm-kvcomp bench kernels {' '.join(argv)}`"
-    rows = [line.split("|")[1:-1] for line in lines if line.startswith("| decode")]
-    assert [r[1].strip() for r in rows] == ["sdpa", "torch", "triton"]
-    assert all(r[2].strip() == "40" and r[3].strip() == "2" and float(r[4]) > 0 for r in rows)
+    text = out.read_text()
+    assert text.splitlines()[0] == f"# `vllm-kvcomp bench kernels {' '.join(argv)}`"
     assert f"wrote {out}" in capsys.readouterr().out
-    saved = json.loads(rows_json.read_text())
-    assert saved["copy_gbps"] > 0 and len(saved["rows"]) == 3
+    rows = json.loads(rows_json.read_text())["rows"]
+    by_phase = {p: [r["what"] for r in rows if r["phase"] == p] for p in bench_kernels.PHASES}
+    assert by_phase["decode"] == ["sdpa", "torch", "triton"]
+    assert "kernel, block table (uncompressed)" in by_phase["pages"]
+    attend = [r for r in rows if r["what"] == "engine attend (packed pages)"]
+    assert [r["kept"] for r in attend] == [1.0, 0.5]
+    assert all(r["extra"]["rel_err"] < 1e-5 for r in attend)  # float32 on CPU: the reference's own rounding
+    assert by_phase["compact"] == ["CudaPagedCache.move", "generic read + write", "device copy, same bytes"]
+    assert all(r["ms"] > 0 and r["gbps"] > 0 for r in rows)
+    for title in ("## decode", "## pages", "## compact"):
+        assert title in text
 
 
 def test_bytes_moved_counts_kv_once_and_q_out_once() -> None:

@@ -10,7 +10,7 @@ from tests.kernels.cases import COVER, DEVICE, INTERPRET, Case
 from vllm_kvcomp import kernels
 from vllm_kvcomp.kernels.fixtures import random_starts
 
-BACKENDS = ["torch", "triton"] if DEVICE == "cpu" else ["triton"]
+BACKENDS = ["torch", "triton"] if DEVICE == "cpu" else ["triton", *(["cuda"] * kernels.cuda_extension_available())]
 SEQ_LENS = [70, 1, 33]
 KV_HEADS = 2
 
@@ -18,8 +18,7 @@ KV_HEADS = 2
 def test_auto_dispatch_rule() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert kernels.resolve_backend("decode_attention", cpu) == "torch"
-    built = "cuda" if kernels.cuda_extension_available() else "triton"
-    assert kernels.resolve_backend("decode_attention", cuda) == built
+    assert kernels.resolve_backend("decode_attention", cuda) == "triton"  # the CUDA extension only when forced
     assert kernels.resolve_backend("decode_attention", cuda, cuda_ok=False) == "triton"
 
 
@@ -101,3 +100,37 @@ def test_triton_launcher_rejects_wrong_index_dtype() -> None:
     q = torch.randn(len(SEQ_LENS), KV_HEADS, 64, device=DEVICE)
     with pytest.raises(ValueError, match="int32"):
         decode_attention(q, paged.cache, paged.block_table.long(), paged.seq_lens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_decode_attention_replays_in_a_cuda_graph(backend: str) -> None:
+    """Captured once with a fixed split count, a replay over new queries, lengths and per-head
+    starts written into the captured buffers equals an eager call on them (vLLM replays the
+    decode step's attention this way under FULL CUDA graphs)."""
+    if backend == "cuda" and not kernels.cuda_extension_available():
+        pytest.skip("vllm_kvcomp._C not built")
+    case = Case(torch.bfloat16, 128, 16, 4, "HNC", True, True)
+    lens = [300, 1, 77]
+    paged = case.paged(lens, KV_HEADS)
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(len(lens), KV_HEADS * case.group, case.head_dim, generator=gen).to(case.dtype).cuda()
+    starts = random_starts(lens, KV_HEADS, min_len=0).cuda()
+    comp = tuple(t.cuda() for t in (torch.randn(3, KV_HEADS, 128), torch.randn(3, KV_HEADS, 128),
+                                    torch.tensor([[3.0, 0.0], [1.0, 9.0], [0.0, 2.0]])))
+    args = (q, paged.cache, paged.block_table, paged.seq_lens, starts, comp)
+    call = lambda: kernels.decode_attention(*args, num_splits=4, backend=backend)  # noqa: E731
+    call()  # compile / load outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = call()
+    q.copy_(torch.randn(q.shape, generator=gen).to(q.dtype))
+    paged.seq_lens.copy_(torch.tensor([250, 1, 60], dtype=torch.int32))
+    starts.copy_(random_starts([250, 1, 60], KV_HEADS, seed=9, min_len=0))
+    graph.replay()
+    want_out, want_lse = call()
+    torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+    assert_decode_close(q, paged, starts.cpu(), tuple(t.cpu() for t in comp), 128**-0.5, out, lse,
+                        what=f"graph replay {backend}")

@@ -1,18 +1,30 @@
-"""Achieved bandwidth of the paged decode-attention kernel against the device's copy bandwidth.
+"""The kernels the engine runs on a GPU, timed against the device's own ceilings, in one run.
 
-One run measures a plain large tensor copy (the device's practical bandwidth), then for every
-(context N, batch B) of the grid: torch SDPA on contiguous K/V of the same total size (the
-baseline) and ``vllm_kvcomp.kernels.decode_attention`` (per-head ranges + compensation token) on
-every backend (Triton, the CUDA extension if built; on CPU the torch path and the Triton
-interpreter).
+Three phases (``--phases``, all by default):
 
-Bandwidth = the bytes the kernel must move (each KV byte read once, q read and out written once)
-/ median time. The table shows GB/s, % of the copy bandwidth and the time ratio SDPA / ours
-(> 1: ours is faster). Usage::
+``decode``
+    ``kernels.decode_attention`` over a paged cache (per-head ranges + compensation token) on
+    every backend (Triton, the CUDA extension if built; on CPU the torch path and the Triton
+    interpreter) next to torch SDPA on contiguous K/V of the same size.
+``pages``
+    What a compressed decode step costs: the engine's own call (``CudaPagedCache.attend``) over
+    packed per-(request, KV head) pages holding a fraction ``--kept`` of the context, next to the
+    same call over every page (kept 1.0), our kernel on the uncompressed cache with its block
+    table, and torch SDPA / FlashAttention on contiguous K/V. Each kept fraction's output is
+    checked against the torch reference (relative error, bf16 tolerance) on small batches.
+``compact``
+    Packing the kept cells of one request (all layers and KV heads) into its pages
+    (``CudaPagedCache.move`` of the move ``RequestPages.compact`` plans) against a device copy of
+    the same bytes, and the generic read-then-write move it replaces.
 
-    vllm-kvcomp bench kernels                      # GPU, default grid
-    vllm-kvcomp bench kernels --contexts 4096,131072 --batches 1,64 --json out.json
-    python -m vllm_kvcomp.bench.kernels --device cpu   # tiny smoke grid, Triton interpreter
+Bandwidth = the bytes a call must move (each KV byte it reads once, q read and out written once;
+a move reads and writes every moved cell) / median time. GPU times come from
+``triton.testing.do_bench`` (CUDA events, L2 flushed before every run); the copy bandwidth is
+``dst.copy_(src)`` of 2 GiB, read + write counted. Usage::
+
+    vllm-kvcomp bench kernels                                 # GPU, Llama-3.1-8B shapes
+    vllm-kvcomp bench kernels --phases pages --kept 0.25 --json out.json
+    python -m vllm_kvcomp.bench.kernels --device cpu          # tiny smoke grid, Triton interpreter
 """
 
 from __future__ import annotations
@@ -25,81 +37,89 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from vllm_kvcomp.bench.common import module_main, write_report
 
-GPU_CONTEXTS = "4096,16384,65536,131072"
-GPU_BATCHES = "1,8,64"
-CPU_CONTEXTS = "256,512"
-CPU_BATCHES = "1,2"
+PHASES = ("decode", "pages", "compact")
+GPU = dict(contexts="4096,16384,32768", batches="1,8,64", kv_heads=8, head_dim=128, layers=32,
+           compact_context=32768)
+CPU = dict(contexts="256,512", batches="1,2", kv_heads=2, head_dim=64, layers=2, compact_context=512)
+CHECK_MAX_BATCH = 8  # the pages phase checks outputs against the reference up to this batch
 
 Measure = Callable[[Callable[[], object]], float]
 
 
 @dataclass
 class Row:
-    kernel: str
-    backend: str
+    phase: str
+    what: str
     context: int
     batch: int
+    kept: float
     ms: float
     gbps: float
     pct_copy: float
-    vs_sdpa: float | None = None
+    extra: dict = field(default_factory=dict)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     gpu = torch.cuda.is_available()
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if gpu else "cpu")
-    p.add_argument("--contexts", help=f"comma list of N (default GPU {GPU_CONTEXTS}, CPU {CPU_CONTEXTS})")
-    p.add_argument("--batches", help=f"comma list of B (default GPU {GPU_BATCHES}, CPU {CPU_BATCHES})")
+    p.add_argument("--phases", default=",".join(PHASES), help=f"comma list of {', '.join(PHASES)}")
+    p.add_argument("--contexts", help=f"comma list of N (default GPU {GPU['contexts']}, CPU {CPU['contexts']})")
+    p.add_argument("--batches", help=f"comma list of B (default GPU {GPU['batches']}, CPU {CPU['batches']})")
+    p.add_argument("--kept", default="0.5,0.25,0.125", help="kept fractions of the pages/compact phases")
     p.add_argument("--kv-heads", type=int, help="H_kv (default GPU 8, CPU 2)")
     p.add_argument("--group", type=int, default=4, help="query heads per KV head")
     p.add_argument("--head-dim", type=int, help="D (default GPU 128, CPU 64)")
+    p.add_argument("--layers", type=int, help="layers of the compacted request (default GPU 32, CPU 2)")
+    p.add_argument("--compact-context", type=int, help="tokens of the compacted request (default GPU 32768)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--num-splits", type=int, help="decode key splits (default: the dispatch's heuristic)")
-    p.add_argument("--iters", type=int, help="timed runs per point (default GPU 20, CPU 1)")
-    p.add_argument("--warmup", type=int, help="untimed runs per point (default GPU 3, CPU 0)")
+    p.add_argument("--iters", type=int, help="CPU only: timed runs per point (default 1)")
     p.add_argument("--max-gib", type=float, default=40.0, help="skip points whose buffers exceed this")
     p.add_argument("--json", type=Path, help="also write the rows here")
 
 
 def _resolve_defaults(a: argparse.Namespace) -> None:
     """Fill the device-dependent defaults in place."""
-    gpu = a.device == "cuda"
-    a.contexts = [int(x) for x in (a.contexts or (GPU_CONTEXTS if gpu else CPU_CONTEXTS)).split(",")]
-    a.batches = [int(x) for x in (a.batches or (GPU_BATCHES if gpu else CPU_BATCHES)).split(",")]
-    a.kv_heads = a.kv_heads or (8 if gpu else 2)
-    a.head_dim = a.head_dim or (128 if gpu else 64)
-    a.iters = a.iters or (20 if gpu else 1)
-    a.warmup = a.warmup if a.warmup is not None else (3 if gpu else 0)
+    d = GPU if a.device == "cuda" else CPU
+    a.phases = [x for x in a.phases.split(",") if x]
+    unknown = set(a.phases) - set(PHASES)
+    if unknown:
+        raise SystemExit(f"--phases: unknown {sorted(unknown)}; choose from {', '.join(PHASES)}")
+    a.contexts = [int(x) for x in (a.contexts or d["contexts"]).split(",")]
+    a.batches = [int(x) for x in (a.batches or d["batches"]).split(",")]
+    a.kept = [float(x) for x in a.kept.split(",")]
+    if any(not 0 < k < 1 for k in a.kept):
+        raise SystemExit("--kept: fractions strictly between 0 and 1 (1.0 is always measured)")
+    a.kv_heads = a.kv_heads or d["kv_heads"]
+    a.head_dim = a.head_dim or d["head_dim"]
+    a.layers = a.layers or d["layers"]
+    a.compact_context = a.compact_context or d["compact_context"]
+    a.iters = a.iters or 1
     a.dtype = getattr(torch, a.dtype)
 
 
-def timer(device: str, warmup: int, iters: int) -> Measure:
-    """Median milliseconds of ``fn()`` (CUDA events on GPU, wall clock on CPU)."""
+def timer(device: str, iters: int) -> Measure:
+    """Median milliseconds of ``fn()``: ``triton.testing.do_bench`` on CUDA, wall clock on CPU."""
+    if device == "cuda":
+        from triton.testing import do_bench
 
-    def once(fn: Callable[[], object]) -> float:
-        if device != "cuda":
-            t0 = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t0) * 1e3
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
+        return functools.partial(do_bench, warmup=25, rep=100, return_mode="median")
 
     def run(fn: Callable[[], object]) -> float:
-        for _ in range(warmup):
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
             fn()
-        return statistics.median(once(fn) for _ in range(iters))
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
 
     return run
 
@@ -111,6 +131,13 @@ def copy_bandwidth(device: str, measure: Measure, gib: float) -> float:
     dst = torch.empty_like(src)
     ms = measure(lambda: dst.copy_(src))
     return 2 * n / ms / 1e6
+
+
+def copy_time(device: str, measure: Measure, nbytes: int) -> float:
+    """Milliseconds of a device copy of ``nbytes`` (buffers freed on return)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    return measure(functools.partial(dst.copy_, src))
 
 
 def bytes_decode(a: argparse.Namespace, n: int, batch: int) -> int:
@@ -127,19 +154,48 @@ def point_gib(a: argparse.Namespace, n: int, batch: int) -> float:
     return 2 * cache / 2**30
 
 
-def sdpa_baseline(q: torch.Tensor, n: int, kv_heads: int, measure: Measure, gen: torch.Generator) -> float:
-    """Milliseconds of torch SDPA for q [B, H_q, D] over contiguous K/V [B, H_kv, n, D] (freed on return)."""
-    batch, _, d = q.shape
-    k = torch.randn(batch, kv_heads, n, d, generator=gen, device=q.device).to(q.dtype)
-    v = torch.randn_like(k)
-    q4 = q.unsqueeze(2)  # [B, H_q, 1, D]
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    return measure(functools.partial(sdpa, q4, k, v, enable_gqa=True))
+def _row(a, phase: str, what: str, n: int, batch: int, kept: float, ms: float, nbytes: int, copy_gbps: float,
+         **extra) -> Row:
+    gbps = nbytes / ms / 1e6
+    return Row(phase, what, n, batch, kept, ms, gbps, 100 * gbps / copy_gbps, extra)
 
 
-def bench_point(
-    a: argparse.Namespace, n: int, batch: int, backends: list[str], measure: Measure, copy_gbps: float
-) -> list[Row]:
+# ---------------------------------------------------------------------------- uncompressed baselines
+def contiguous_kv(batch: int, kv_heads: int, n: int, d: int, dtype: torch.dtype, device: str,
+                  gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random K, V [B, H_kv, n, D] (the layout of torch SDPA and FlashAttention)."""
+    k = torch.randn(batch, kv_heads, n, d, generator=gen, device=device).to(dtype)
+    return k, torch.randn_like(k)
+
+
+def sdpa_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable[[], object]:
+    """torch SDPA, its own choice of kernel: q [B, H_q, D] -> [B, H_q, 1, D] with GQA."""
+    return functools.partial(torch.nn.functional.scaled_dot_product_attention, q.unsqueeze(2), k, v,
+                             enable_gqa=True)
+
+
+def flash_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable[[], object] | None:
+    """FlashAttention through SDPA: the G query heads of a KV head as G query rows (GQA without
+    repeating K/V, non-causal). None where this torch build has no flash kernel for the case."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    batch, hk, _, d = k.shape
+    rows = q.view(batch, hk, -1, d)
+
+    def call():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(rows, k, v)
+
+    try:
+        call()
+    except RuntimeError:
+        return None
+    return call
+
+
+# ---------------------------------------------------------------------------- phase: decode
+def bench_decode(a: argparse.Namespace, n: int, batch: int, backends: list[str], measure: Measure,
+                 copy_gbps: float) -> list[Row]:
     """SDPA and every backend of decode attention at context ``n``, batch ``batch``."""
     from vllm_kvcomp import kernels
     from vllm_kvcomp.kernels.fixtures import make_paged
@@ -153,36 +209,173 @@ def bench_point(
         torch.randn(batch, hk, d, device=dev),
         torch.full((batch, hk), 8.0, device=dev),
     )
-    sdpa_ms = sdpa_baseline(q, n, hk, measure, gen)
     nbytes = bytes_decode(a, n, batch)
-
-    def row(backend: str, ms: float) -> Row:
-        gbps = nbytes / ms / 1e6
-        return Row("decode", backend, n, batch, ms, gbps, 100 * gbps / copy_gbps, sdpa_ms / ms)
-
-    rows = [row("sdpa", sdpa_ms)]
+    k, v = contiguous_kv(batch, hk, n, d, a.dtype, dev, gen)
+    sdpa_ms = measure(sdpa_call(q, k, v))
+    del k, v
+    rows = [_row(a, "decode", "sdpa", n, batch, 1.0, sdpa_ms, nbytes, copy_gbps, vs_sdpa=1.0)]
     args = (q, paged.cache, paged.block_table, paged.seq_lens, 0, comp)
     for be in backends:
-        call = functools.partial(kernels.decode_attention, *args, num_splits=a.num_splits, backend=be)
-        rows.append(row(be, measure(call)))
+        ms = measure(functools.partial(kernels.decode_attention, *args, num_splits=a.num_splits, backend=be))
+        rows.append(_row(a, "decode", be, n, batch, 1.0, ms, nbytes, copy_gbps, vs_sdpa=sdpa_ms / ms))
     return rows
 
 
-def markdown_table(rows: list[Row], copy_gbps: float, device: str) -> str:
-    """The copy bandwidth, then one table row per (backend, N, B)."""
-    lines = [
-        f"copy bandwidth ({device}): {copy_gbps:.1f} GB/s (read + write)",
-        "",
-        "| kernel | backend | N | B | ms | GB/s | % copy | sdpa / ours |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        vs = "" if r.vs_sdpa is None else f"{r.vs_sdpa:.2f}x"
-        lines.append(
-            f"| {r.kernel} | {r.backend} | {r.context} | {r.batch} | {r.ms:.3f} | {r.gbps:.4g} "
-            f"| {r.pct_copy:.1f}% | {vs} |"
-        )
-    return "\n".join(lines)
+# ---------------------------------------------------------------------------- phase: pages
+@dataclass
+class PagedRequests:
+    """``batch`` requests of ``n`` tokens in one LBHNC buffer seen as the engine's pages."""
+
+    cache: object  # CudaPagedCache
+    storage: torch.Tensor  # [num_blocks, H_kv, bs, 2D]
+    block_table: torch.Tensor  # [B, n / bs] int32
+    pages: torch.Tensor  # [B, H_kv, n / bs] page ids of every request's heads, in logical order
+
+
+def paged_requests(a: argparse.Namespace, n: int, batch: int, gen: torch.Generator) -> PagedRequests:
+    """Random K/V, every request's blocks a random permutation of the buffer (block 0 unused)."""
+    from vllm_kvcomp.engine.cache import CudaPagedCache
+
+    bs, hk, d, dev = a.block_size, a.kv_heads, a.head_dim, a.device
+    per = -(-n // bs)
+    storage = torch.randn(1 + batch * per, hk, bs, 2 * d, generator=gen, device=dev).to(a.dtype)
+    cache = CudaPagedCache([storage])
+    blocks = (torch.randperm(batch * per, generator=gen, device=dev) + 1).view(batch, per)
+    pages = blocks.unsqueeze(1) * hk + torch.arange(hk, device=dev).view(1, hk, 1)
+    return PagedRequests(cache, storage, blocks.to(torch.int32), pages)
+
+
+def kept_tables(reqs: PagedRequests, kept: float, n: int, bs: int, gen: torch.Generator) -> tuple[torch.Tensor, int]:
+    """[B * H_kv, m] page tables of every head's ``m = ceil(kept * n / bs)`` packed pages (a random
+    subset of its own pages, in random order: packed pages sit anywhere) and the kept length m * bs."""
+    b, hk, per = reqs.pages.shape
+    m = max(1, -(-round(kept * n) // bs))
+    order = torch.rand(b, hk, per, generator=gen, device=reqs.pages.device).argsort(-1)[..., :m]
+    return reqs.pages.gather(-1, order).view(b * hk, m), m * bs
+
+
+def bench_pages(a: argparse.Namespace, n: int, batch: int, measure: Measure, copy_gbps: float) -> list[Row]:
+    """The engine's compressed decode call at every kept fraction vs its uncompressed references."""
+    from vllm_kvcomp import kernels
+    from vllm_kvcomp.kernels.reference import decode_reference
+
+    dev, hk, d, g, bs = a.device, a.kv_heads, a.head_dim, a.group, a.block_size
+    gen = torch.Generator(device=dev).manual_seed(2)
+    reqs = paged_requests(a, n, batch, gen)
+    seqs = batch * hk
+    q = torch.randn(batch, hk * g, d, generator=gen, device=dev).to(a.dtype)
+    q_seq = q.view(seqs, g, d)  # one virtual sequence per (request, KV head), its G query heads
+    query_start = torch.arange(seqs + 1, device=dev, dtype=torch.int32)
+    scale = d**-0.5
+    rows = []
+
+    full_bytes = bytes_decode(a, n, batch)
+    seq_lens = torch.full((batch,), n, dtype=torch.int32, device=dev)
+    kernel_full = functools.partial(kernels.decode_attention, q, reqs.storage.transpose(1, 2), reqs.block_table,
+                                    seq_lens, scale=scale, num_splits=a.num_splits)
+    ms_kernel_full = measure(kernel_full)
+    rows.append(_row(a, "pages", "kernel, block table (uncompressed)", n, batch, 1.0, ms_kernel_full, full_bytes,
+                     copy_gbps))
+    k, v = contiguous_kv(batch, hk, n, d, a.dtype, dev, gen)
+    rows.append(_row(a, "pages", "torch sdpa (uncompressed)", n, batch, 1.0, measure(sdpa_call(q, k, v)),
+                     full_bytes, copy_gbps))
+    flash = flash_call(q, k, v)
+    if flash is not None:
+        rows.append(_row(a, "pages", "flash-attn via sdpa (uncompressed)", n, batch, 1.0, measure(flash), full_bytes,
+                         copy_gbps))
+    del k, v
+
+    base_ms = None
+    for kept in (1.0, *a.kept):
+        tables, length = kept_tables(reqs, kept, n, bs, gen)
+        lengths = torch.full((seqs,), length, dtype=torch.int32, device=dev)
+        nbytes = bytes_decode(a, length, batch)
+        attend = functools.partial(reqs.cache.attend, q_seq, tables, lengths, query_start, scale, None)
+        ms = measure(attend)
+        base_ms = base_ms or ms
+        extra = {"vs_kept_1": ms / base_ms, "target": 1.2 * kept, "vs_kernel_full": ms / ms_kernel_full}
+        if batch <= CHECK_MAX_BATCH:
+            out = attend().float()
+            ref, _ = decode_reference(q_seq, reqs.cache.cells, tables, lengths, None, None, scale)
+            extra["rel_err"] = float((out - ref).norm() / ref.norm())
+        rows.append(_row(a, "pages", "engine attend (packed pages)", n, batch, kept, ms, nbytes, copy_gbps, **extra))
+        raw = functools.partial(kernels.decode_attention, q_seq, reqs.cache.cells, tables, lengths, scale=scale,
+                                num_splits=a.num_splits)
+        rows.append(_row(a, "pages", "kernel only (packed pages)", n, batch, kept, measure(raw), nbytes, copy_gbps))
+    return rows
+
+
+# ---------------------------------------------------------------------------- phase: compact
+def bench_compact(a: argparse.Namespace, measure: Measure, copy_gbps: float) -> list[Row]:
+    """One request of ``--compact-context`` tokens in ``--layers`` layers keeps ``kept`` of every
+    head (a random page-rounded subset): the engine's move vs a copy of the same bytes."""
+    from vllm_kvcomp.engine.cache import CudaPagedCache, PagedCache
+    from vllm_kvcomp.engine.pages import RequestPages
+
+    dev, hk, d, bs, n, nl = a.device, a.kv_heads, a.head_dim, a.block_size, a.compact_context, a.layers
+    per = -(-n // bs) + 1
+    gen = torch.Generator(device=dev).manual_seed(3)
+    storage = torch.randn(nl, per, hk, bs, 2 * d, generator=gen, device=dev).to(a.dtype)
+    cache = CudaPagedCache([storage[layer] for layer in range(nl)])
+    block_ids = torch.arange(per)
+    cpu_gen = torch.Generator().manual_seed(3)
+    rows = []
+    for kept in a.kept:
+        k = max(bs, round(kept * n / bs) * bs) + n % bs
+        chosen = [[torch.randperm(n, generator=cpu_gen)[:k].sort().values for _ in range(hk)] for _ in range(nl)]
+        move, _ = RequestPages(cache.geometry).compact(chosen, block_ids, n)
+        move.src_pages, move.src_offsets, move.dst_pages, move.dst_offsets = (
+            t.to(dev) for t in (move.src_pages, move.src_offsets, move.dst_pages, move.dst_offsets))
+        cells = len(move)
+        nbytes = 2 * cells * 2 * d * a.dtype.itemsize  # every moved cell read once and written once
+        copy_ms = copy_time(dev, measure, nbytes // 2)
+        ours = measure(functools.partial(cache.move, move))
+        generic = measure(functools.partial(PagedCache.move, cache, move))
+        extra = {"cells": cells, "copy_ms": copy_ms, "vs_copy": copy_ms / ours}
+        rows.append(_row(a, "compact", "CudaPagedCache.move", n, nl, kept, ours, nbytes, copy_gbps, **extra))
+        rows.append(_row(a, "compact", "generic read + write", n, nl, kept, generic, nbytes, copy_gbps,
+                         cells=cells, copy_ms=copy_ms, vs_copy=copy_ms / generic))
+        rows.append(_row(a, "compact", "device copy, same bytes", n, nl, kept, copy_ms, nbytes, copy_gbps))
+    return rows
+
+
+# ---------------------------------------------------------------------------- report
+def _fmt(extra: dict, key: str, fmt: str) -> str:
+    return format(extra[key], fmt) if key in extra else ""
+
+
+def markdown(rows: list[Row], copy_gbps: float, device: str) -> str:
+    """The copy bandwidth, then one table per phase."""
+    out = [f"copy bandwidth ({device}): {copy_gbps:.1f} GB/s (read + write)"]
+    decode = [r for r in rows if r.phase == "decode"]
+    if decode:
+        out += ["", "## decode: paged decode attention vs torch SDPA", "",
+                "| backend | N | B | ms | GB/s | % copy | sdpa / ours |", "|---|---:|---:|---:|---:|---:|---:|"]
+        out += [f"| {r.what} | {r.context} | {r.batch} | {r.ms:.3f} | {r.gbps:.4g} | {r.pct_copy:.1f}% "
+                f"| {r.extra['vs_sdpa']:.2f}x |" for r in decode]
+    pages = [r for r in rows if r.phase == "pages"]
+    if pages:
+        out += ["", "## pages: compressed decode over packed per-head pages vs uncompressed", "",
+                "time vs kept 1.0 = this call / the same call over every page (target <= 1.2 x kept); "
+                "rel err = ||out - ref|| / ||ref|| against the torch reference (float32 accumulation)", "",
+                "| call | N | B | kept | ms | GB/s | % copy | vs kept 1.0 | target | vs kernel uncompressed "
+                "| rel err |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in pages:
+            cells = [_fmt(r.extra, key, f) for key, f in
+                     (("vs_kept_1", ".3f"), ("target", ".3f"), ("vs_kernel_full", ".3f"), ("rel_err", ".1e"))]
+            out.append(f"| {r.what} | {r.context} | {r.batch} | {r.kept:g} | {r.ms:.3f} | {r.gbps:.4g} "
+                       f"| {r.pct_copy:.1f}% | {' | '.join(cells)} |")
+    compact = [r for r in rows if r.phase == "compact"]
+    if compact:
+        out += ["", "## compact: packing one request's kept cells (all layers, all KV heads)", "",
+                "| move | N | layers | kept | cells moved | ms | GB/s (read + write) | % copy | copy time / this |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in compact:
+            vs = f"{r.extra['vs_copy']:.2f}x" if "vs_copy" in r.extra else ""
+            cells = r.extra.get("cells", "")
+            out.append(f"| {r.what} | {r.context} | {r.batch} | {r.kept:g} | {cells} | {r.ms:.3f} | {r.gbps:.4g} "
+                       f"| {r.pct_copy:.1f}% | {vs} |")
+    return "\n".join(out)
 
 
 def run(a: argparse.Namespace) -> int:
@@ -196,7 +389,7 @@ def run(a: argparse.Namespace) -> int:
     backends = ["torch", "triton"] if a.device == "cpu" else ["triton"]
     if a.device == "cuda" and kernels.cuda_extension_available():
         backends.append("cuda")
-    measure = timer(a.device, a.warmup, a.iters)
+    measure = timer(a.device, a.iters)
     copy_gbps = copy_bandwidth(a.device, measure, 2.0 if a.device == "cuda" else 0.25)
     rows: list[Row] = []
     for n in a.contexts:
@@ -204,15 +397,21 @@ def run(a: argparse.Namespace) -> int:
             if point_gib(a, n, batch) > a.max_gib:
                 print(f"skip N={n} B={batch}: {point_gib(a, n, batch):.1f} GiB > --max-gib {a.max_gib}")
                 continue
-            rows += bench_point(a, n, batch, backends, measure, copy_gbps)
+            if "decode" in a.phases:
+                rows += bench_decode(a, n, batch, backends, measure, copy_gbps)
+            if "pages" in a.phases:
+                rows += bench_pages(a, n, batch, measure, copy_gbps)
             if a.device == "cuda":
                 torch.cuda.empty_cache()
+    if "compact" in a.phases:
+        rows += bench_compact(a, measure, copy_gbps)
     device = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
-    table = markdown_table(rows, copy_gbps, device)
+    table = markdown(rows, copy_gbps, device)
     print(table)
     write_report(a.out, a.command, table)
     if a.json:
-        a.json.write_text(json.dumps({"copy_gbps": copy_gbps, "rows": [asdict(r) for r in rows]}, indent=2))
+        a.json.write_text(json.dumps({"device": device, "copy_gbps": copy_gbps, "rows": [asdict(r) for r in rows]},
+                                     indent=2))
     return 0
 
 

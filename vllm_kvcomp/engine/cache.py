@@ -243,12 +243,26 @@ class CudaPagedCache(PagedCache):
     def write_cells(self, pages: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.cells[pages, offsets, 0] = torch.cat([keys, values], dim=-1).to(self.dtype)
 
+    def move(self, move: Move) -> None:
+        """A cell is K and V side by side: whole cells are gathered by row (``index_select`` over
+        the buffer as ``[pages * bs, 2D]`` rows) into a temporary, then scattered (``index_copy_``)."""
+        if len(move):
+            bs = self.geometry.block_size
+            rows = self.pages.view(-1, 2 * self.head_dim)
+            src = move.src_pages.to(self.device) * bs + move.src_offsets.to(self.device)
+            dst = move.dst_pages.to(self.device) * bs + move.dst_offsets.to(self.device)
+            rows.index_copy_(0, dst, rows.index_select(0, src))
+
     def attend(self, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, query_start: torch.Tensor,
                scale: float, compensation: SequenceCompensation | None) -> torch.Tensor:
         """One ``decode_attention`` launch: a sequence with T queries becomes T one-query
         sequences whose lengths end at each query's causal limit."""
         from vllm_kvcomp import kernels
 
+        if q.shape[0] == tables.shape[0]:  # one query per sequence (decode): no expansion
+            comp = None if compensation is None else (
+                compensation.keys.unsqueeze(1), compensation.values.unsqueeze(1), compensation.counts.unsqueeze(1))
+            return kernels.decode_attention(q, self.cells, tables, lengths, compensation=comp, scale=scale)[0]
         counts = query_start[1:] - query_start[:-1]
         seq = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts,
                                       output_size=q.shape[0])  # [T] (sized: no read back)

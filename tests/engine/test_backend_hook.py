@@ -1,10 +1,8 @@
-"""The KV buffer as pages, on both platforms' layouts, and the per-step hook around the parent kernel.
+"""The worker and the per-step hook around the parent kernel: compressed rows attended over their
+packed pages, the parent kernel's rows trimmed, the backends registered per platform.
 
-vLLM's FlashAttention/Triton kernels cannot run on this CPU build, so the CUDA layout class runs
-on CPU tensors here (through ``kernels.decode_attention``'s torch path) and on CUDA tensors under
-the ``gpu`` marker; the CPU class calls vLLM's own CPU kernel. Every attention result is compared
-with eq. 5 (RazorAttention's compensated attention) in float64 over token data the test knows,
-never over what the cache under test returns.
+The CUDA layout class runs on CPU tensors here and on CUDA tensors under the ``gpu`` marker;
+every attention result is compared with eq. 5 in float64 over token data the test knows.
 """
 
 from __future__ import annotations
@@ -15,137 +13,30 @@ import random
 import pytest
 import torch
 
+from tests.helpers.paged_cells import (
+    ATTEND_CASES,
+    BS,
+    CASES,
+    CLASSES,
+    GROUP,
+    HK,
+    HQ,
+    NUM_BLOCKS,
+    SCALE,
+    D,
+    L,
+    buffer,
+    eq5,
+)
 from vllm_kvcomp.engine.backends import common
 from vllm_kvcomp.engine.backends.common import KVCompAttentionMixin, trim_rows
-from vllm_kvcomp.engine.cache import CpuPagedCache, CudaPagedCache, SequenceCompensation
+from vllm_kvcomp.engine.cache import CudaPagedCache
 from vllm_kvcomp.engine.connector import KVCompConnector, paged_cache
 from vllm_kvcomp.engine.metadata import ScheduledRequest, StepMetadata
 from vllm_kvcomp.engine.plugin import backend_overrides
 from vllm_kvcomp.engine.worker import KVCompWorker
 from vllm_kvcomp.policies.base import Compensation
-from vllm_kvcomp.policies.compensation import compensated_attention
 from vllm_kvcomp.spec import CompressionSpec
-
-L, HK, HQ, D, BS, NUM_BLOCKS = 2, 2, 4, 32, 32, 24
-GROUP, SCALE = HQ // HK, D**-0.5
-CLASSES = {"cpu": CpuPagedCache, "cuda-layout": CudaPagedCache}
-CASES = [("cpu", "cpu"), ("cuda-layout", "cpu"), pytest.param("cuda-layout", "cuda", marks=pytest.mark.gpu)]
-
-
-#: what every cell nobody wrote holds: finite (stale cells in an engine are), but a key this large
-#: that leaks into a sequence dominates its softmax, so reading past a range shows
-POISON = 1e3
-
-
-def buffer(device: str = "cpu", dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
-    """vLLM's allocation: one buffer, a per-layer [num_blocks, H_kv, bs, 2D] view each (LBHNC)."""
-    storage = torch.full((L, NUM_BLOCKS, HK, BS, 2 * D), POISON, dtype=dtype, device=device)
-    return [storage[layer] for layer in range(L)]
-
-
-def eq5(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, comp: tuple | None) -> torch.Tensor:
-    """q [T, G, D] (the last T tokens of keys/values [n, D], causal) -> [T, G, D] float64."""
-    t, n = q.shape[0], keys.shape[0]
-    mask = torch.arange(n).view(1, n) <= (n - t + torch.arange(t)).view(t, 1)
-    k_hat, v_hat, count = comp if comp is not None else (torch.zeros(D), torch.zeros(D), 0.0)
-    expand = lambda x: x.double().unsqueeze(1).expand(-1, GROUP, -1)  # noqa: E731
-    return compensated_attention(q.double(), expand(keys), expand(values), k_hat.double().expand(GROUP, -1),
-                                 v_hat.double().expand(GROUP, -1), torch.full((GROUP,), float(count)).double(),
-                                 SCALE, mask)
-
-
-# ---------------------------------------------------------------------------- cells
-def test_cpu_cache_pages_what_vllm_cpu_kernel_wrote():
-    from vllm import _custom_ops as vllm_ops
-
-    caches = buffer()
-    blocks = torch.tensor([7, 2, 19])
-    n = 40
-    written = []
-    for cache in caches:
-        key_cache, value_cache = cache.view(NUM_BLOCKS, HK, 2 * BS, D).chunk(2, dim=2)
-        keys, values = torch.randn(n, HK, D), torch.randn(n, HK, D)
-        slots = blocks[torch.arange(n) // BS] * BS + torch.arange(n) % BS
-        vllm_ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, "vec")
-        written.append((keys, values))
-    cache = CpuPagedCache(caches)
-    pages = cache.geometry.page_ids(blocks)  # [L, H, 3]
-    for layer, (keys, values) in enumerate(written):
-        for head in range(HK):
-            tokens = torch.tensor([0, 5, 16, 33, 39])
-            got_k, got_v = cache.read_cells(pages[layer, head, tokens // BS], tokens % BS)
-            torch.testing.assert_close(got_k, keys[tokens, head], rtol=0, atol=0)
-            torch.testing.assert_close(got_v, values[tokens, head], rtol=0, atol=0)
-
-
-@pytest.mark.parametrize(("kind", "device"), CASES)
-def test_cells_round_trip_across_layers_without_touching_neighbours(kind, device):
-    cache = CLASSES[kind](buffer(device))
-    cache.pages.zero_()
-    pages = torch.tensor([0, 5, cache.geometry.page_ids(torch.tensor([3]))[1, 1, 0]], device=device)
-    offsets = torch.tensor([0, BS - 1, 7], device=device)
-    keys, values = torch.randn(3, D, device=device), torch.randn(3, D, device=device)
-    cache.write_cells(pages, offsets, keys, values)
-    got_k, got_v = cache.read_cells(pages, offsets)
-    torch.testing.assert_close(got_k, keys, rtol=0, atol=0)
-    torch.testing.assert_close(got_v, values, rtol=0, atol=0)
-    assert int((cache.pages != 0).sum()) == 3 * 2 * D
-
-
-@pytest.mark.parametrize(("kind", "device"), CASES)
-def test_read_pages_equals_reading_every_cell(kind, device):
-    cache = CLASSES[kind](buffer(device))
-    cache.pages.copy_(torch.randn_like(cache.pages))
-    pages = torch.randint(0, cache.num_pages, (L, HK, 3), device=device)  # [L, H, n] any pages, any order
-    keys, values = cache.read_pages(pages)
-    assert keys.shape == values.shape == (L, HK, 3 * BS, D)
-    cells = torch.arange(3 * BS, device=device)
-    for layer in range(L):
-        for head in range(HK):
-            want_k, want_v = cache.read_cells(pages[layer, head, cells // BS], cells % BS)
-            torch.testing.assert_close(keys[layer, head], want_k, rtol=0, atol=0)
-            torch.testing.assert_close(values[layer, head], want_v, rtol=0, atol=0)
-
-
-def test_refusals():
-    with pytest.raises(NotImplementedError, match="kv-cache-dtype auto"):
-        CudaPagedCache([torch.zeros(2, HK, BS, 2 * D, dtype=torch.uint8)])
-    nhc = torch.zeros(NUM_BLOCKS, BS, HK, 2 * D).transpose(1, 2)  # LBNHC: a page is not contiguous
-    with pytest.raises(NotImplementedError, match="LBHNC"):
-        CudaPagedCache([nhc])
-    with pytest.raises(NotImplementedError, match="one buffer"):
-        CudaPagedCache([torch.zeros(NUM_BLOCKS, HK, BS, 2 * D), torch.zeros(NUM_BLOCKS, HK, BS, 2 * D)])
-    with pytest.raises(NotImplementedError, match="ISA"):
-        CpuPagedCache(buffer(), isa="amx")
-
-
-# ---------------------------------------------------------------------------- attention
-@pytest.mark.parametrize(("kind", "device"), CASES)
-def test_attend_virtual_sequences_equals_eq5(kind, device):
-    """Sequences over random pages of any layer, 1- and 3-token query rows, some with a
-    compensation token; poison in every cell no sequence reads."""
-    cache = CLASSES[kind](buffer(device))
-    gen = torch.Generator().manual_seed(0)
-    perm = torch.randperm(cache.num_pages, generator=gen)
-    lengths, queries, tables, data, used = [70, 7, 33, 32, 1], [1, 3, 1, 1, 1], [], [], 0
-    for n in lengths:
-        pages = perm[used : used + -(-n // BS)]
-        used += pages.numel()
-        keys, values = torch.randn(n, D, generator=gen), torch.randn(n, D, generator=gen)
-        cache.write_cells(pages[torch.arange(n) // BS].to(device), (torch.arange(n) % BS).to(device),
-                          keys.to(device), values.to(device))
-        tables.append(torch.nn.functional.pad(pages, (0, 3 - pages.numel())))
-        data.append((keys, values))
-    comp = (torch.randn(5, D, generator=gen), torch.randn(5, D, generator=gen), torch.tensor([4.0, 0, 0, 9.0, 2.0]))
-    q = torch.randn(sum(queries), GROUP, D, generator=gen)
-    starts = torch.cumsum(torch.tensor([0, *queries]), 0)
-    plan = SequenceCompensation.plan(*(t.unsqueeze(0) for t in comp), queries, torch.tensor([lengths]), BS, device)
-    out = cache.attend(q.to(device), torch.stack(tables).to(device), torch.tensor(lengths).to(device),
-                       starts.to(device), SCALE, plan[0])
-    for s, (keys, values) in enumerate(data):
-        rows = slice(int(starts[s]), int(starts[s + 1]))
-        ref = eq5(q[rows], keys, values, tuple(t[s] for t in comp))
-        torch.testing.assert_close(out[rows].cpu().double(), ref, rtol=2e-5, atol=2e-5)
 
 
 # ---------------------------------------------------------------------------- worker + backend hook
@@ -241,7 +132,7 @@ def expected(tokens: Tokens, q: torch.Tensor, layer: int, comp: Compensation | N
     return torch.cat(out)
 
 
-@pytest.mark.parametrize(("kind", "device"), CASES)
+@pytest.mark.parametrize(("kind", "device"), ATTEND_CASES)
 def test_worker_attends_compressed_rows_over_their_pages(kind, device):
     lengths = [75, 100]
     worker, known = compressed_worker(CLASSES[kind], buffer(device), lengths)

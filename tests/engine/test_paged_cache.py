@@ -1,0 +1,149 @@
+"""The KV buffer as pages (:mod:`vllm_kvcomp.engine.cache`) on both platforms' layouts: cells,
+pages, moves and attention over virtual sequences.
+
+vLLM's FlashAttention/Triton kernels cannot run on this CPU build, so the CUDA layout class runs
+on CPU tensors here (through ``kernels.decode_attention``'s torch path) and on CUDA tensors under
+the ``gpu`` marker (``scripts/gpu_check.sh`` runs this file on a GPU machine without vLLM); the
+CPU class calls vLLM's own CPU kernel. Every attention result is compared with eq. 5
+(RazorAttention's compensated attention) in float64 over token data the test knows, never over
+what the cache under test returns.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.paged_cells import (
+    ATTEND_CASES,
+    BS,
+    CASES,
+    CLASSES,
+    GROUP,
+    HK,
+    NUM_BLOCKS,
+    SCALE,
+    D,
+    L,
+    buffer,
+    eq5,
+)
+from vllm_kvcomp.engine.cache import CpuPagedCache, CudaPagedCache, SequenceCompensation
+from vllm_kvcomp.engine.pages import Move
+
+
+# ---------------------------------------------------------------------------- cells
+@pytest.mark.vllm
+def test_cpu_cache_pages_what_vllm_cpu_kernel_wrote():
+    from vllm import _custom_ops as vllm_ops
+
+    caches = buffer()
+    blocks = torch.tensor([7, 2, 19])
+    n = 40
+    written = []
+    for cache in caches:
+        key_cache, value_cache = cache.view(NUM_BLOCKS, HK, 2 * BS, D).chunk(2, dim=2)
+        keys, values = torch.randn(n, HK, D), torch.randn(n, HK, D)
+        slots = blocks[torch.arange(n) // BS] * BS + torch.arange(n) % BS
+        vllm_ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, "vec")
+        written.append((keys, values))
+    cache = CpuPagedCache(caches)
+    pages = cache.geometry.page_ids(blocks)  # [L, H, 3]
+    for layer, (keys, values) in enumerate(written):
+        for head in range(HK):
+            tokens = torch.tensor([0, 5, 16, 33, 39])
+            got_k, got_v = cache.read_cells(pages[layer, head, tokens // BS], tokens % BS)
+            torch.testing.assert_close(got_k, keys[tokens, head], rtol=0, atol=0)
+            torch.testing.assert_close(got_v, values[tokens, head], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("kind", "device"), CASES)
+def test_cells_round_trip_across_layers_without_touching_neighbours(kind, device):
+    cache = CLASSES[kind](buffer(device))
+    cache.pages.zero_()
+    pages = torch.tensor([0, 5, cache.geometry.page_ids(torch.tensor([3]))[1, 1, 0]], device=device)
+    offsets = torch.tensor([0, BS - 1, 7], device=device)
+    keys, values = torch.randn(3, D, device=device), torch.randn(3, D, device=device)
+    cache.write_cells(pages, offsets, keys, values)
+    got_k, got_v = cache.read_cells(pages, offsets)
+    torch.testing.assert_close(got_k, keys, rtol=0, atol=0)
+    torch.testing.assert_close(got_v, values, rtol=0, atol=0)
+    assert int((cache.pages != 0).sum()) == 3 * 2 * D
+
+
+@pytest.mark.parametrize(("kind", "device"), CASES)
+def test_read_pages_equals_reading_every_cell(kind, device):
+    cache = CLASSES[kind](buffer(device))
+    cache.pages.copy_(torch.randn_like(cache.pages))
+    pages = torch.randint(0, cache.num_pages, (L, HK, 3), device=device)  # [L, H, n] any pages, any order
+    keys, values = cache.read_pages(pages)
+    assert keys.shape == values.shape == (L, HK, 3 * BS, D)
+    cells = torch.arange(3 * BS, device=device)
+    for layer in range(L):
+        for head in range(HK):
+            want_k, want_v = cache.read_cells(pages[layer, head, cells // BS], cells % BS)
+            torch.testing.assert_close(keys[layer, head], want_k, rtol=0, atol=0)
+            torch.testing.assert_close(values[layer, head], want_v, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("kind", "device"), CASES)
+def test_move_reads_every_source_before_writing(kind, device):
+    """A compaction's move: cells shift onto cells that are themselves sources (a chain and a
+    swap), across layers; every destination gets its source's old content, nothing else changes."""
+    cache = CLASSES[kind](buffer(device))
+    cache.pages.copy_(torch.randn_like(cache.pages))
+    before = cache.pages.clone()
+    far = int(cache.geometry.page_ids(torch.tensor([NUM_BLOCKS - 1]))[L - 1, HK - 1, 0])
+    src = [(3, 5), (3, 6), (3, 7), (far, 0), (9, 1)]
+    dst = [(3, 4), (3, 5), (3, 6), (9, 1), (far, 0)]
+    as_t = lambda cells, i: torch.tensor([c[i] for c in cells], device=device)  # noqa: E731
+    want = cache.read_cells(as_t(src, 0), as_t(src, 1))
+    cache.move(Move(as_t(src, 0), as_t(src, 1), as_t(dst, 0), as_t(dst, 1)))
+    got = cache.read_cells(as_t(dst, 0), as_t(dst, 1))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    untouched = torch.ones(cache.num_pages, dtype=torch.bool, device=device)
+    untouched[[3, 9, far]] = False
+    torch.testing.assert_close(cache.pages[untouched], before[untouched], rtol=0, atol=0)
+
+
+def test_refusals():
+    with pytest.raises(NotImplementedError, match="kv-cache-dtype auto"):
+        CudaPagedCache([torch.zeros(2, HK, BS, 2 * D, dtype=torch.uint8)])
+    nhc = torch.zeros(NUM_BLOCKS, BS, HK, 2 * D).transpose(1, 2)  # LBNHC: a page is not contiguous
+    with pytest.raises(NotImplementedError, match="LBHNC"):
+        CudaPagedCache([nhc])
+    with pytest.raises(NotImplementedError, match="one buffer"):
+        CudaPagedCache([torch.zeros(NUM_BLOCKS, HK, BS, 2 * D), torch.zeros(NUM_BLOCKS, HK, BS, 2 * D)])
+    with pytest.raises(NotImplementedError, match="ISA"):
+        CpuPagedCache(buffer(), isa="amx")
+
+
+# ---------------------------------------------------------------------------- attention
+@pytest.mark.parametrize("queries", [[1, 3, 1, 1, 1], [1, 1, 1, 1, 1]], ids=["mixed", "decode"])
+@pytest.mark.parametrize(("kind", "device"), ATTEND_CASES)
+def test_attend_virtual_sequences_equals_eq5(kind, device, queries):
+    """Sequences over random pages of any layer, 1- and 3-token query rows (or one each: the
+    decode launch), some with a compensation token; poison in every cell no sequence reads."""
+    cache = CLASSES[kind](buffer(device))
+    gen = torch.Generator().manual_seed(0)
+    perm = torch.randperm(cache.num_pages, generator=gen)
+    lengths, tables, data, used = [70, 7, 33, 32, 1], [], [], 0
+    for n in lengths:
+        pages = perm[used : used + -(-n // BS)]
+        used += pages.numel()
+        keys, values = torch.randn(n, D, generator=gen), torch.randn(n, D, generator=gen)
+        cache.write_cells(pages[torch.arange(n) // BS].to(device), (torch.arange(n) % BS).to(device),
+                          keys.to(device), values.to(device))
+        tables.append(torch.nn.functional.pad(pages, (0, 3 - pages.numel())))
+        data.append((keys, values))
+    comp = (torch.randn(5, D, generator=gen), torch.randn(5, D, generator=gen), torch.tensor([4.0, 0, 0, 9.0, 2.0]))
+    q = torch.randn(sum(queries), GROUP, D, generator=gen)
+    starts = torch.cumsum(torch.tensor([0, *queries]), 0)
+    plan = SequenceCompensation.plan(*(t.unsqueeze(0) for t in comp), queries, torch.tensor([lengths]), BS, device)
+    out = cache.attend(q.to(device), torch.stack(tables).to(device), torch.tensor(lengths).to(device),
+                       starts.to(device), SCALE, plan[0])
+    for s, (keys, values) in enumerate(data):
+        rows = slice(int(starts[s]), int(starts[s + 1]))
+        ref = eq5(q[rows], keys, values, tuple(t[s] for t in comp))
+        torch.testing.assert_close(out[rows].cpu().double(), ref, rtol=2e-5, atol=2e-5)
+
