@@ -1,7 +1,10 @@
 """The package's shape, checked from the source: import direction, the vLLM ledger, size limits.
 
-Imports are read from the AST of every module (function-level imports included, ``if
-TYPE_CHECKING:`` blocks excluded), so a lazy import cannot hide a cycle.
+Imports are read from the AST of every module, package ``__init__``s included. Function-level
+imports count (a lazy import cannot hide a cycle) and so do ``if TYPE_CHECKING:`` imports (a cycle
+through annotations is still a cycle between the modules' layers). ``from pkg import name``
+depends on ``pkg``'s own body (it runs, and ``name`` is looked up in its namespace first) and, when
+``pkg.name`` is a module, on that module too.
 """
 
 from __future__ import annotations
@@ -44,12 +47,14 @@ def _runtime_nodes(tree: ast.AST):
             stack.append(child)
 
 
-def _imports(module: str) -> set[str]:
-    """Absolute names ``module`` imports at run time (``from a import b`` gives ``a`` and ``a.b``)."""
-    tree = ast.parse(MODULES[module].read_text())
-    package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+def _imports(module: str, source: str | None = None) -> set[str]:
+    """Absolute names ``module`` imports (``from a import b`` gives ``a`` and ``a.b``); ``source``
+    replaces the module's file (to test the reader)."""
+    path = MODULES.get(module)
+    tree = ast.parse(source if source is not None else path.read_text())
+    package = module if path is not None and path.name == "__init__.py" else module.rpartition(".")[0]
     out: set[str] = set()
-    for node in _runtime_nodes(tree):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -57,11 +62,8 @@ def _imports(module: str) -> set[str]:
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*anchor, base] if base else anchor)
-            # ``from pkg import submodule`` depends on the submodule, not on pkg's own body
-            subs = {f"{base}.{alias.name}" for alias in node.names}
-            out.update(subs)
-            if not subs <= set(MODULES):
-                out.add(base)
+            out.add(base)
+            out.update(f"{base}.{alias.name}" for alias in node.names)
     return out
 
 
@@ -108,8 +110,25 @@ def test_cycle_detector_finds_a_planted_cycle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def test_import_reader_counts_package_bodies_lazy_and_type_only_imports() -> None:
+    source = ("from vllm_kvcomp import vllm_compat\n"
+              "from typing import TYPE_CHECKING\n"
+              "if TYPE_CHECKING:\n    from vllm_kvcomp.eval.report import Row\n"
+              "def f():\n    from . import cells\n")
+    found = _imports("vllm_kvcomp.eval.claims", source) & set(MODULES)
+    assert found == {"vllm_kvcomp", "vllm_kvcomp.vllm_compat", "vllm_kvcomp.eval.report",
+                     "vllm_kvcomp.eval", "vllm_kvcomp.eval.cells"}
+
+
+#: Cycles that need a change outside the files this test's owners edit: the root ``register``
+#: (the ``vllm.general_plugins`` entry point) imports engine.plugin, which reads ``vllm_compat``
+#: from the root package's namespace (``from vllm_kvcomp import vllm_compat``). ``import
+#: vllm_kvcomp.vllm_compat as vllm_compat`` in engine/plugin.py ends it; then empty this list.
+PENDING_CYCLES: list[list[str]] = []
+
+
 def test_no_import_cycles() -> None:
-    assert _cycles(_internal_graph()) == []
+    assert _cycles(_internal_graph()) == PENDING_CYCLES
 
 
 def test_engine_never_imports_the_server() -> None:
@@ -176,3 +195,55 @@ def test_no_function_is_longer_than_the_limit() -> None:
                 if length > MAX_FUNCTION_LINES:
                     long.append(f"{module}.{node.name}: {length} lines")
     assert long == []
+
+
+# ---------------------------------------------------------------------------- test markers
+
+TESTS = PACKAGE.parent / "tests"
+#: what starts a vLLM engine or the server in a test module: a test taking one of these session
+#: fixtures, or a call to one of these imported names (its own fixture or test makes it)
+STARTERS = {
+    "engine": ({"engine"}, {("tests.engine.stream_engine", "run_engine"), ("vllm", "LLM")}),
+    "server": ({"server"}, {("tests.server.conftest", "serving")}),
+}
+
+
+def _module_marks(tree: ast.Module) -> set[str]:
+    """The ``pytest.mark.X`` names of a module's ``pytestmark``; ``server`` implies ``engine``."""
+    marks: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets):
+            marks |= {n.attr for n in ast.walk(node.value) if isinstance(n, ast.Attribute)} - {"mark"}
+    return marks | ({"engine"} if "server" in marks else set())
+
+
+def _starts(tree: ast.Module) -> set[str]:
+    """Which of engine / server a test module starts (by :data:`STARTERS`)."""
+    imported = {alias.asname or alias.name: (n.module, alias.name) for n in ast.walk(tree)
+                if isinstance(n, ast.ImportFrom) for alias in n.names}
+    called = {imported.get(n.func.id) for n in ast.walk(tree)
+              if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    taken = {a.arg for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")
+             for a in n.args.args}
+    return {kind for kind, (fixtures, calls) in STARTERS.items() if taken & fixtures or called & calls}
+
+
+def test_marker_reader_sees_fixtures_calls_and_marks() -> None:
+    tree = ast.parse("import pytest\nfrom tests.engine.stream_engine import run_engine\n"
+                     "pytestmark = [pytest.mark.server]\n"
+                     "@pytest.fixture\ndef runs():\n    return run_engine(1)\n"
+                     "def test_a(server):\n    pass\n")
+    assert _starts(tree) == {"engine", "server"} and _module_marks(tree) == {"engine", "server"}
+    stub = ast.parse("async def run_engine():\n    pass\ndef test_b():\n    run_engine()\n")
+    assert _starts(stub) == set() and _module_marks(stub) == set()
+
+
+def test_modules_that_start_an_engine_or_a_server_are_marked() -> None:
+    """So ``pytest -m "not engine and not server"`` is the fast unit run."""
+    unmarked = {}
+    for path in sorted(TESTS.rglob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        missing = _starts(tree) - _module_marks(tree)
+        if missing:
+            unmarked[str(path.relative_to(TESTS))] = sorted(missing)
+    assert unmarked == {}

@@ -39,6 +39,25 @@ def test_bench_table_reports_ratios_against_full():
     assert "3.50" in text and "1.90" in text and "5.0%" in text
 
 
+def test_bench_peak_covers_every_policy_and_checks_the_target():
+    """``bench peak``: full first, then every compressing policy and variant from the registry; a
+    request above prompt + kept + 2 blocks is marked as a miss."""
+    import argparse
+
+    from vllm_kvcomp.bench.peak import Peak, configs, table
+    from vllm_kvcomp.policies.registry import compressing_policy_names
+
+    args = argparse.Namespace(policies=None, ratio=0.25, prompt_len=2100, max_tokens=24, period=0.05)
+    cases = configs(args)
+    assert cases[0] == ("full", None)
+    assert {label.split()[0] for label, _ in cases[1:]} == set(compressing_policy_names())
+    assert all(header.startswith("policy=") and "ratio=0.25" in header for _, header in cases[1:])
+    rows = table(args, [Peak("full", 67, 67, 1.0), Peak("snapkv", 86, 18, 0.26), Peak("lagkv", 130, 22, 0.31)])
+    lines = {line.split("|")[1].strip(): line for line in rows.splitlines() if line.startswith("| ")}
+    assert "| 86 | 1.28x | 0.27x | 0.26 | 86 | yes |" in lines["snapkv"]  # 66 + ceil(0.26 * 66) + 2
+    assert lines["lagkv"].endswith("| **no** |")
+
+
 # ---------------------------------------------------------------------------- bench runner
 @pytest.mark.parametrize("name", sorted(bench.BENCHMARKS))
 def test_every_benchmark_runs_as_a_module_and_a_subcommand(name):
@@ -118,3 +137,15 @@ def test_write_report_puts_the_command_line_on_top(tmp_path, capsys):
     assert lines[0] == "# `vllm-kvcomp bench kernels --device cpu`"
     assert lines[-1] == "| a |"
     assert f"wrote {path}" in capsys.readouterr().out
+
+
+def test_benchmarks_skip_what_the_server_refuses():
+    """Razor below its retrieval heads' share of the bundled model (24 of 90 heads) is a 400 at
+    the server (#28): the benchmarks skip it with the server's message instead of crashing."""
+    from vllm_kvcomp.bench.serving import refusal
+
+    why = refusal(None, "policy=razor; ratio=0.25")
+    assert why is not None and "ratio" in why and "exact=1" in why
+    assert refusal(None, "policy=razor; ratio=0.5") is None
+    assert refusal(None, "policy=razor; ratio=0.25; exact=1") is None
+    assert refusal(None, "policy=snapkv; ratio=0.25") is None and refusal(None, None) is None

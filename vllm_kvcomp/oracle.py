@@ -34,6 +34,9 @@ request, greedy decoding. The timing, which the vLLM integration must reproduce 
    steps_since=S)`` — M = max live tokens over all layers and heads (kept + appended), S = decode
    forwards since the last compression — step 2 runs again on the current stores.
 
+Attention variants are the model's own: soft-capped logits (``softcap``, Gemma 2) and learned
+sink logits (``s_aux``, gpt-oss) enter every attention, the compensation token's included.
+
 Hybrid models: a layer HF runs with a ``sliding_window`` attends its last ``sliding_window``
 tokens and is never compressed (the engine leaves such layers to vLLM); policies see only the
 full-attention layers, by their model layer index.
@@ -53,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm_kvcomp.policies.base import Compensation, LayerKV, Policy, RequestState, Selection
-from vllm_kvcomp.policies.compensation import attention_with_lse, compensated_attention
+from vllm_kvcomp.policies.compensation import attention_with_lse, compensated_attention, with_sinks
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -171,12 +174,15 @@ class _Session:
         return max(max(self.store(i).lengths()) for i in self.compressed_layers())
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding: int | None = None
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, sliding: int | None = None,
+        softcap: float = 0.0, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [H_q, T, D], k/v [H_kv, T, D] of the new tokens -> attention output [T, H_q, D].
 
         Appends k/v to each head's store and q to the query window. A ``sliding`` layer attends
-        the last ``sliding`` tokens (itself included), as HF and vLLM do.
+        the last ``sliding`` tokens (itself included), as HF and vLLM do; ``softcap`` caps the
+        logits (Gemma 2), ``sinks`` [H_q] are learned sink logits (gpt-oss), as the model's own
+        attention applies them.
         """
         if sliding:
             self.sliding[layer] = sliding
@@ -206,13 +212,14 @@ class _Session:
             if sliding:
                 mask &= store.positions[h].unsqueeze(0) > pos.unsqueeze(1) - sliding
             comp = store.compensation
+            head_sinks = None if sinks is None else sinks[h * group:(h + 1) * group]
             if comp is None:
-                out, _ = attention_with_lse(qh, kh, vh, scale, mask)
+                out = with_sinks(*attention_with_lse(qh, kh, vh, scale, mask, softcap), head_sinks)[0]
             else:
                 out = compensated_attention(
                     qh, kh, vh,
                     comp.keys[h].expand(group, -1), comp.values[h].expand(group, -1),
-                    comp.counts[h].expand(group), scale, mask,
+                    comp.counts[h].expand(group), scale, mask, softcap, head_sinks,
                 )
             outs.append(out)
         if self.window:
@@ -238,7 +245,8 @@ def _oracle_attention(
     if query.shape[0] != 1:
         raise ValueError("the oracle runs one sequence at a time (batch size 1)")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = session.attend(module.layer_idx, query[0], key[0], value[0], scale, kwargs.get("sliding_window"))
+    out = session.attend(module.layer_idx, query[0], key[0], value[0], scale, kwargs.get("sliding_window"),
+                         kwargs.get("softcap") or 0.0, kwargs.get("s_aux"))
     return out.unsqueeze(0), None
 
 

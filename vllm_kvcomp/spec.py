@@ -16,7 +16,10 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from vllm_kvcomp.params import COMMON_PARAMS, NUMBER_TEXT, Scalar, SpecError, show
-from vllm_kvcomp.policies.registry import POLICY_NAMES, get_policy_class
+from vllm_kvcomp.policies.registry import (
+    POLICY_NAMES as POLICY_NAMES,  # re-exported: bench/kept.py reads it
+)
+from vllm_kvcomp.policies.registry import get_policy_class, policy_names
 
 XARGS_PREFIX = "kvcomp_"
 MAX_HEADER_LENGTH = 1024
@@ -60,12 +63,12 @@ class CompressionSpec:
         if not isinstance(data, Mapping):
             raise SpecError("kv_compression", f"expected an object, got {type(data).__name__}")
         items = {key: value for key, (_, value) in setting_items(data.items()).items()}
+        names = (*policy_names(), "none")
         if "policy" not in items and items:
-            raise SpecError("policy", f"missing: settings {sorted(items)} need a policy",
-                            ", ".join((*POLICY_NAMES, "none")))
+            raise SpecError("policy", f"missing: settings {sorted(items)} need a policy", ", ".join(names))
         policy = items.pop("policy", "full")
-        if not isinstance(policy, str) or policy.strip().lower() not in (*POLICY_NAMES, "none"):
-            raise SpecError("policy", f"unknown policy {policy!r}", ", ".join((*POLICY_NAMES, "none")))
+        if not isinstance(policy, str) or policy.strip().lower() not in names:
+            raise SpecError("policy", f"unknown policy {policy!r}", ", ".join(names))
         policy = policy.strip().lower()
         if policy == "none":
             policy = "full"

@@ -30,6 +30,8 @@ class Use:
     breaks: str
     checked: str = CHECKED
     param: str | None = None  # an instance attribute we set: a parameter of the callable ``symbol``
+    #: instance attributes of the class ``symbol`` we read or write (only through this module)
+    attrs: tuple[str, ...] = ()
 
     def resolve(self) -> Any:
         module, _, path = self.symbol.partition(":")
@@ -44,12 +46,23 @@ class Use:
             obj = self.resolve()
         except (ImportError, AttributeError) as err:
             return f"{type(err).__name__}: {err}"
-        if self.param is not None:
-            import inspect
+        import inspect
 
-            if self.param not in inspect.signature(obj).parameters:
-                return f"{self.symbol} takes no parameter {self.param!r}"
-        return None
+        if self.param is not None and self.param not in inspect.signature(obj).parameters:
+            return f"{self.symbol} takes no parameter {self.param!r}"
+        missing = [a for a in self.attrs if not _has_attribute(obj, a)]
+        return f"{self.symbol} sets no attribute {', '.join(missing)}" if missing else None
+
+
+def _has_attribute(cls: type, name: str) -> bool:
+    """Whether instances of ``cls`` carry ``name``: a dataclass field, a property, or an
+    assignment ``self.name = ...`` in the class body."""
+    import inspect
+    import re
+
+    if name in getattr(cls, "__dataclass_fields__", {}) or isinstance(getattr(cls, name, None), property):
+        return True
+    return re.search(rf"self\.{name}\b\s*[:=]", inspect.getsource(cls)) is not None
 
 
 _KV = "vllm.distributed.kv_transfer.kv_connector"
@@ -98,6 +111,25 @@ LEDGER: tuple[Use, ...] = (
         "GPU path"),
     Use("vllm.v1.attention.backends.triton_attn:TritonAttentionMetadata", "trimmed copies of Triton metadata",
         "GPU path"),
+    # ---------------------------------------------------------------- block tables (engine/blocks.py's rules)
+    Use("vllm.v1.core.kv_cache_manager:KVCacheManager", "the scheduler's cache manager: its pool, its groups' "
+        "managers, whether prefix caching is on", "copy-on-compress, freeing and admission",
+        attrs=("block_pool", "coordinator", "enable_caching", "empty_kv_cache_blocks")),
+    Use("vllm.v1.core.kv_cache_manager:KVCacheManager.create_kv_cache_blocks", "a capped prefix-cache hit",
+        "compressed requests read the whole cached prefix"),
+    Use("vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator", "one manager per KV-cache group",
+        "every block-table rule", attrs=("single_type_managers",)),
+    Use("vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager", "a request's live block list "
+        "(edited in place to install packed blocks), the hashed-block count we stop, the group's block size and "
+        "sliding window", "copy-on-compress and admission by a bounded peak",
+        attrs=("req_to_blocks", "num_cached_block", "block_size", "kv_cache_spec")),
+    Use("vllm.v1.core.block_pool:BlockPool", "the pool: size, free count, the null block freed columns point to",
+        "freeing, spares, admission", attrs=("null_block", "num_gpu_blocks", "hash_block_size")),
+    Use("vllm.v1.core.block_pool:BlockPool.get_num_free_blocks", "spares and admission only when they fit",
+        "same"),
+    Use("vllm.v1.core.kv_cache_utils:KVCacheBlock", "a block's id, how many requests hold it (a shared prompt "
+        "block is never written), whether it is the null block", "copy-on-compress could write a shared block",
+        attrs=("block_id", "ref_cnt", "is_null")),
     # ---------------------------------------------------------------- engine internals we read or poke
     Use("vllm.config:get_layers_from_vllm_config", "the attention layers behind registered caches",
         "engine checks at start-up"),
@@ -115,10 +147,11 @@ LEDGER: tuple[Use, ...] = (
         "request compressing during prefill is admitted by its bounded peak, not its whole prompt "
         "(`full_sequence_must_fit` would hold it back until the full prompt fits)", "prefill=stream requests wait "
         "for room for their whole prompt"),
-    Use("vllm.v1.core.kv_cache_utils:_check_enough_kv_cache_memory", "PATCH (engine core, only with "
-        "--allow-prompts-beyond-kv-cache): vLLM refuses to start when one max_model_len sequence does not fit "
-        "the KV cache; prefill=stream requests hold a bounded part of theirs", "the opt-in flag has no effect "
-        "(vLLM refuses max_model_len beyond the KV cache)"),
+    Use("vllm.v1.core.kv_cache_utils:_check_enough_kv_cache_memory", "PATCH (installed at plugin load, "
+        "effective only for an engine started with --allow-prompts-beyond-kv-cache, read from the config its "
+        "caller get_kv_cache_configs passes in the get_needed_memory partial): vLLM refuses to start when one "
+        "max_model_len sequence does not fit the KV cache; prefill=stream requests hold a bounded part of theirs",
+        "the opt-in flag has no effect (vLLM refuses max_model_len beyond the KV cache)"),
     Use("vllm.v1.request:Request.__init__", "abort_immediately: abort a request that can never fit the KV "
         "cache as it arrives (vLLM would keep it waiting forever)", "such a request waits forever",
         param="abort_immediately"),
@@ -143,6 +176,15 @@ LEDGER: tuple[Use, ...] = (
     Use("vllm.v1.core.block_pool:BlockPool._maybe_evict_cached_block", "copy-on-compress without spares (a "
         "full pool): the request's own unshared prompt blocks leave the prefix cache before it packs into them",
         "such requests wait for spares instead"),
+    Use("vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.__init__", "what a layer's attention "
+        "computes beyond softmax(scale·qk), read from its impl (``logits_soft_cap``, ``sinks``, "
+        "``alibi_slopes``): compressed rows are attended the same way", "Gemma 2 / gpt-oss compressed rows "
+        "ignore soft-capping or sinks (silently wrong)", param="logits_soft_cap"),
+    Use("vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.__init__", "same, on CUDA", "same",
+        param="sinks"),
+    Use("vllm.model_executor.layers.attention:Attention.__init__", "``kv_sharing_target_layer_name``: a layer "
+        "reading another layer's cache cannot be compressed on its own", "cross-layer KV sharing would read "
+        "another layer's packed pages", param="kv_sharing_target_layer_name"),
     Use("vllm.v1.attention.backends.cpu_attn:_get_attn_isa", "the CPU cache's in-block layout (the builder "
         "stores it on each layer as ``layer.isa``)", "CPU reads/writes of kept tokens use the wrong layout"),
     # ---------------------------------------------------------------- API server
@@ -228,6 +270,27 @@ def layer_index(layer_name: str) -> int:
     return extract_layer_index(layer_name)
 
 
+@dataclass(frozen=True)
+class LayerAttention:
+    """What a vLLM attention layer computes (see the ledger): its impl's softmax scale, logit
+    soft-cap (0 = off), learned sinks [H_q] (or None), ALiBi slopes (or None), and the layer whose
+    cache it reads instead of its own (or None)."""
+
+    scale: float
+    softcap: float
+    sinks: Any
+    alibi_slopes: Any
+    kv_sharing_target: str | None
+
+
+def layer_attention(layer: Any) -> LayerAttention:
+    """The :class:`LayerAttention` of a vLLM ``Attention`` module (after its weights are loaded)."""
+    impl = layer.impl
+    return LayerAttention(scale=float(impl.scale), softcap=float(getattr(impl, "logits_soft_cap", 0) or 0),
+                          sinks=getattr(impl, "sinks", None), alibi_slopes=getattr(impl, "alibi_slopes", None),
+                          kv_sharing_target=getattr(layer, "kv_sharing_target_layer_name", None))
+
+
 def cpu_attention_isa(layer: Any) -> str:
     """The CPU cache layout vLLM's metadata builder chose for ``layer`` (``vec``, ``amx``, ...)."""
     return getattr(layer, "isa", "vec")
@@ -296,22 +359,19 @@ def free_blocks(kv_cache_manager: Any, req_id: str, start: int, end: int, group:
     kv_cache_manager.coordinator.single_type_managers[group]._remove_blocks_in_range(req_id, start, end)
 
 
-def admit_by(kv_cache_manager: Any, bounded_tokens: Callable[[Any], int | None]) -> None:
-    """PATCH (see the ledger): requests for which ``bounded_tokens(request)`` is a token count are
-    admitted when that many tokens' blocks are free instead of their whole sequence's."""
+def admit_by(kv_cache_manager: Any, admission: Callable[[Any], bool | None]) -> None:
+    """PATCH (see the ledger): before vLLM requires a request's whole sequence to fit
+    (``full_sequence_must_fit``), ``admission(request)`` may decide: True admits it now without
+    that rule, False holds it back, None leaves vLLM's rule."""
     allocate = kv_cache_manager.allocate_slots
     if getattr(allocate, "_kvcomp_bounded", False):
         return
 
     def allocate_slots(request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
-        bound = bounded_tokens(request) if kwargs.get("full_sequence_must_fit") else None
-        if bound is not None:
-            # every group allocates from the one pool: sliding-window groups hold their window
-            needed = sum(-(-min(request.num_tokens, bound, _window(m)) // m.block_size)
-                         - len(m.req_to_blocks.get(request.request_id, ()))
-                         for m in kv_cache_manager.coordinator.single_type_managers)
-            if needed > kv_cache_manager.block_pool.get_num_free_blocks():
-                return None
+        decision = admission(request) if kwargs.get("full_sequence_must_fit") else None
+        if decision is False:
+            return None
+        if decision:
             kwargs["full_sequence_must_fit"] = False
         return allocate(request, num_new_tokens, *args, **kwargs)
 
@@ -319,15 +379,12 @@ def admit_by(kv_cache_manager: Any, bounded_tokens: Callable[[Any], int | None])
     kv_cache_manager.allocate_slots = allocate_slots
 
 
-def _window(manager: Any) -> float:
-    """Tokens a single-type manager keeps per request at most (its sliding window, else unbounded)."""
-    window = getattr(getattr(manager, "kv_cache_spec", None), "sliding_window", None)
-    return window + manager.block_size if window else float("inf")
-
-
-def allow_max_model_len_beyond_kv_cache() -> None:
-    """PATCH (see the ledger): start even if one max_model_len sequence exceeds the KV cache
-    (warn instead); requests that cannot fit are refused at the API server instead."""
+def allow_max_model_len_beyond_kv_cache(opted_in: Callable[[Any], bool]) -> None:
+    """PATCH (see the ledger), installed once at plugin load: an engine whose config
+    ``opted_in`` (``--allow-prompts-beyond-kv-cache``) starts even if one max_model_len sequence
+    exceeds the KV cache (warn instead; such requests are refused at the API server). The config
+    is the first argument of the check's ``get_needed_memory`` partial (vLLM's
+    ``get_kv_cache_configs``); any other caller gets vLLM's check unchanged."""
     from vllm.v1.core import kv_cache_utils
 
     check = kv_cache_utils._check_enough_kv_cache_memory
@@ -338,6 +395,9 @@ def allow_max_model_len_beyond_kv_cache() -> None:
         try:
             check(available_memory, get_needed_memory, max_model_len, *args)
         except ValueError as err:
+            config = next(iter(getattr(get_needed_memory, "args", ())), None)
+            if config is None or not opted_in(config):
+                raise
             import logging
 
             logging.getLogger(__name__).warning(
@@ -347,15 +407,6 @@ def allow_max_model_len_beyond_kv_cache() -> None:
 
     relaxed._kvcomp_relaxed = True
     kv_cache_utils._check_enough_kv_cache_memory = relaxed
-
-
-def copy_on_compress_supported(kv_cache_manager: Any) -> bool:
-    """Whether compressed requests can share the prefix cache (copy-on-compress): caching on,
-    one KV-cache group (hybrid models stay salted), hashes per whole block."""
-    coordinator = getattr(kv_cache_manager, "coordinator", None)
-    managers = getattr(coordinator, "single_type_managers", ())
-    return (bool(getattr(kv_cache_manager, "enable_caching", False)) and len(managers) == 1
-            and managers[0].block_size == kv_cache_manager.block_pool.hash_block_size)
 
 
 def cap_prefix_cache_hits(kv_cache_manager: Any, cap_tokens: Callable[[Any], int | None]) -> None:
@@ -380,51 +431,79 @@ def cap_prefix_cache_hits(kv_cache_manager: Any, cap_tokens: Callable[[Any], int
     kv_cache_manager.get_computed_blocks = get_computed_blocks
 
 
-def stop_caching_blocks(kv_cache_manager: Any, req_id: str) -> None:
-    """Hash none of ``req_id``'s blocks beyond those cached so far (see the ledger)."""
+def caching_enabled(kv_cache_manager: Any) -> bool:
+    """Whether vLLM's prefix cache is on for this cache manager."""
+    return bool(getattr(kv_cache_manager, "enable_caching", False))
+
+
+def hash_block_size(kv_cache_manager: Any) -> int:
+    """Tokens per block hash (copy-on-compress needs one hash per whole block)."""
+    return kv_cache_manager.block_pool.hash_block_size
+
+
+@dataclass(frozen=True)
+class GroupManager:
+    """One KV-cache group's manager, as the engine reads it: tokens per block, its sliding
+    window (None: full attention), and the live per-request block lists (edited in place)."""
+
+    block_size: int
+    sliding_window: int | None
+    tables: dict[str, list[Any]]
+
+
+def group_managers(kv_cache_manager: Any) -> list[GroupManager]:
+    """Every KV-cache group's manager, in group order."""
+    return [GroupManager(m.block_size, getattr(getattr(m, "kv_cache_spec", None), "sliding_window", None),
+                         m.req_to_blocks) for m in kv_cache_manager.coordinator.single_type_managers]
+
+
+def stop_hashing(kv_cache_manager: Any, req_id: str) -> None:
+    """Hash none of ``req_id``'s blocks beyond those hashed so far (see the ledger)."""
     for manager in kv_cache_manager.coordinator.single_type_managers:
         if req_id in manager.req_to_blocks:
             manager.num_cached_block[req_id] = 1 << 62
 
 
-def new_blocks(kv_cache_manager: Any, count: int) -> list[Any] | None:
-    """``count`` fresh private blocks from the pool (evicting cached free ones), or None if the
-    pool has fewer free."""
-    pool = kv_cache_manager.block_pool
-    if count <= 0:
-        return []
-    return pool.get_new_blocks(count) if pool.get_num_free_blocks() >= count else None
+def pool_blocks(kv_cache_manager: Any) -> int:
+    """Blocks in vLLM's pool, the null block included."""
+    return kv_cache_manager.block_pool.num_gpu_blocks
+
+
+def free_block_count(kv_cache_manager: Any) -> int:
+    return kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def take_blocks(kv_cache_manager: Any, count: int) -> list[Any]:
+    """``count`` fresh blocks from the pool (vLLM evicts cached free ones first)."""
+    return kv_cache_manager.block_pool.get_new_blocks(count)
 
 
 def release_blocks(kv_cache_manager: Any, blocks: list[Any]) -> None:
-    """Give blocks from :func:`new_blocks` (or replaced ones) back; cached ones stay cached."""
+    """Give blocks back to the pool; cached ones stay cached."""
     if blocks:
         kv_cache_manager.block_pool.free_blocks(blocks)
 
 
-def make_private(kv_cache_manager: Any, req_id: str, start: int, end: int, group: int = 0) -> bool:
-    """Take columns ``[start, end)`` of a running request out of the prefix cache so it may write
-    into them; False (nothing changed) if another request shares one of those blocks."""
-    table = kv_cache_manager.coordinator.single_type_managers[group].req_to_blocks[req_id]
-    blocks = [b for b in table[max(start, 0) : end] if not b.is_null]
-    if any(b.ref_cnt != 1 for b in blocks):
-        return False
-    for block in blocks:
-        kv_cache_manager.block_pool._maybe_evict_cached_block(block)
-    return True
+def null_block(kv_cache_manager: Any) -> Any:
+    return kv_cache_manager.block_pool.null_block
 
 
-def install_blocks(kv_cache_manager: Any, req_id: str, columns: dict[int, Any], group: int = 0) -> None:
-    """Put ``columns`` (column -> block from :func:`new_blocks`) into a running request's block
-    table, releasing the blocks they replace."""
-    table = kv_cache_manager.coordinator.single_type_managers[group].req_to_blocks[req_id]
-    null = kv_cache_manager.block_pool.null_block
-    old = []
-    for col, block in columns.items():
-        if table[col] is not null:
-            old.append(table[col])
-        table[col] = block
-    release_blocks(kv_cache_manager, old)
+def block_id(block: Any) -> int:
+    return block.block_id
+
+
+def block_refs(block: Any) -> int:
+    """How many requests hold ``block``."""
+    return block.ref_cnt
+
+
+def is_null_block(block: Any) -> bool:
+    return block.is_null
+
+
+def uncache_block(kv_cache_manager: Any, block: Any) -> None:
+    """Take ``block`` out of the prefix cache (its contents may change)."""
+    kv_cache_manager.block_pool._maybe_evict_cached_block(block)
 
 
 def abort_on_arrival(request: Any) -> None:

@@ -1,6 +1,6 @@
 """A vLLM engine with a given chunk size, run in its own process for tests/engine/test_streaming.py.
 
-``python -m tests.engine.stream_engine MODEL CHUNK POOL MAX_LEN LONG_PROMPTS [CONNECTOR [TP]] < requests.json`` runs
+``python -m tests.engine.stream_engine MODEL CHUNK POOL MAX_LEN LONG_PROMPTS [CONNECTOR [TP [ARGS]]] < requests.json`` runs
 each batch of requests to completion (step by step) and prints one JSON line per request: its
 tokens, logprobs, ``kv_transfer_params['kvcomp']``, the chunk ends its prefill was cut at, and the
 peak number of KV blocks the batch held; then the pool's free count at the end. CONNECTOR 0 runs
@@ -19,14 +19,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_engine(model_dir: Path, chunk: int, batches: list[list[dict]], pool: int = 160, max_len: int = 2048,
-               long_prompts: bool = False, connector: bool = True, tensor_parallel: int = 1) -> tuple[list[dict], dict]:
+               long_prompts: bool = False, connector: bool = True, tensor_parallel: int = 1,
+               engine_args: dict | None = None) -> tuple[list[dict], dict]:
     """Run ``batches`` (lists of :func:`engine_request`) on an engine in a child process; returns
     the per-request results and the pool's final free count. With ``tensor_parallel`` 2 each rank
-    gets one core (vLLM's CPU backend refuses two ranks on one NUMA node otherwise)."""
+    gets one core (vLLM's CPU backend refuses two ranks on one NUMA node otherwise);
+    ``engine_args`` are more ``LLM`` keyword arguments (e.g. ``speculative_config``)."""
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tensor_parallel > 1 else None
     proc = subprocess.run(
         [sys.executable, "-m", "tests.engine.stream_engine", str(model_dir), str(chunk), str(pool), str(max_len),
-         "1" if long_prompts else "0", "1" if connector else "0", str(tensor_parallel)],
+         "1" if long_prompts else "0", "1" if connector else "0", str(tensor_parallel), json.dumps(engine_args or {})],
         input=json.dumps(batches), capture_output=True, text=True, cwd=ROOT, timeout=900, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -90,6 +92,7 @@ def main() -> None:
     model, chunk, pool_blocks, max_len, long_prompts = sys.argv[1:6]
     connector = sys.argv[6] != "0" if len(sys.argv) > 6 else True
     tensor_parallel = int(sys.argv[7]) if len(sys.argv) > 7 else 1
+    engine_args = json.loads(sys.argv[8]) if len(sys.argv) > 8 else {}
     from vllm import LLM
 
     from vllm_kvcomp.engine.plugin import kv_transfer_config
@@ -99,7 +102,8 @@ def main() -> None:
               max_num_batched_tokens=int(chunk), enable_prefix_caching=False, tensor_parallel_size=tensor_parallel,
               distributed_executor_backend="uni" if tensor_parallel == 1 else "mp",
               gpu_memory_utilization=0.1, seed=0,
-              kv_transfer_config=kv_transfer_config(long_prompts=long_prompts == "1") if connector else None)
+              kv_transfer_config=kv_transfer_config(long_prompts=long_prompts == "1") if connector else None,
+              **engine_args)
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     pool = scheduler.kv_cache_manager.block_pool

@@ -30,7 +30,7 @@ from tests.helpers.paged_cells import (
 )
 from vllm_kvcomp.engine.backends import common
 from vllm_kvcomp.engine.backends.common import KVCompAttentionMixin, trim_rows
-from vllm_kvcomp.engine.cache import CudaPagedCache
+from vllm_kvcomp.engine.cache import AttentionVariant, CudaPagedCache
 from vllm_kvcomp.engine.connector import KVCompConnector, paged_cache
 from vllm_kvcomp.engine.metadata import ScheduledRequest, StepMetadata
 from vllm_kvcomp.engine.plugin import backend_overrides
@@ -56,7 +56,8 @@ def compressed_worker(cache_cls, caches, lengths: list[int], seed: int = 0):
     rng = random.Random(seed)
     worker = KVCompWorker(block_size=BS, policy_builder=lambda spec: spec.build_policy())
     names = {f"model.layers.{i}.self_attn.attn": caches[i] for i in range(L)}
-    worker.register(names, {name: i for i, name in enumerate(names)}, cache_cls)
+    worker.register(names, {name: i for i, name in enumerate(names)}, cache_cls,
+                    {name: AttentionVariant(SCALE) for name in names})
     free = list(range(1, NUM_BLOCKS))
     rng.shuffle(free)
     requests, known = [], []
@@ -141,7 +142,7 @@ def test_worker_attends_compressed_rows_over_their_pages(kind, device):
     for layer in range(L):
         q = torch.randn(2, HQ, D, device=device)
         out = torch.full_like(q, float("nan"))
-        worker.after_attention(f"model.layers.{layer}.self_attn.attn", q, out, qsl, slot_mapping, SCALE)
+        worker.after_attention(f"model.layers.{layer}.self_attn.attn", q, out, qsl, slot_mapping)
         for r in range(2):
             comp = worker.requests[f"r{r}"].compensation[layer]
             ref = expected(known[r], q[r].cpu(), layer, comp)

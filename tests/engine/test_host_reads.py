@@ -23,6 +23,8 @@ from vllm_kvcomp.engine.backends.common import KVCompAttentionMixin
 from vllm_kvcomp.engine.cache import SequenceCompensation
 from vllm_kvcomp.engine.plugin import active_worker
 
+pytestmark = pytest.mark.engine
+
 PACKAGE = str(Path(vllm_kvcomp.__file__).parent)
 READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
 #: reads a step may make at its first layer: the rows of tracked requests (slot of each row's

@@ -15,6 +15,8 @@ import pytest
 from tests.engine.conftest import prompt_ids
 from tests.engine.stream_engine import engine_request, run_engine
 
+pytestmark = pytest.mark.engine
+
 BLOCK = 32
 POOL = 600  # shared by the six groups' blocks
 MAX_TOKENS = 12

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.engine.conftest import generate, params, prompt_ids, token_logprobs
+
+pytestmark = pytest.mark.engine
 
 
 def _same(a, b, tol: float = 0.0) -> bool:

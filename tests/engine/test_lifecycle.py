@@ -8,11 +8,14 @@ import pytest
 
 from tests.engine.conftest import BLOCK_SIZE, generate, params, prompt_ids
 
+pytestmark = pytest.mark.engine
+
 
 def _live_blocks(engine, req_id: str) -> int:
-    manager = engine.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
-    null = manager._null_block
-    return sum(1 for b in manager.req_to_blocks[req_id] if b is not null)
+    from vllm_kvcomp import vllm_compat
+
+    table = vllm_compat.group_managers(engine.scheduler.kv_cache_manager)[0].tables[req_id]
+    return sum(1 for b in table if not vllm_compat.is_null_block(b))
 
 
 def _drain(engine) -> None:

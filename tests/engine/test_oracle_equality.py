@@ -5,24 +5,15 @@ from __future__ import annotations
 import pytest
 
 from tests.engine.conftest import BLOCK_SIZE, generate, params, prompt_ids, token_logprobs
-from vllm_kvcomp.policies.registry import POLICY_NAMES
+from vllm_kvcomp.policies.registry import POLICY_NAMES, get_policy_class
 from vllm_kvcomp.spec import CompressionSpec
+
+pytestmark = pytest.mark.engine
 
 PROMPT_LEN = 300
 MAX_TOKENS = 20  # >= 16 decode steps after the prefill token
-#: small windows/intervals so decode-time recompression happens within MAX_TOKENS
-SPECS: dict[str, dict] = {
-    "full": {},
-    "streamingllm": {"ratio": 0.5, "sink": 4, "interval": 4},
-    "snapkv": {"ratio": 0.5, "window": 8},
-    "h2o": {"ratio": 0.5, "window": 8, "interval": 4},
-    "knorm": {"ratio": 0.25, "sink": 4, "window": 8},
-    "sagekv": {"ratio": 0.5, "interval": 4},
-    "lagkv": {"ratio": 0.5, "sink": 4, "lag": 32},
-    "entropy": {"ratio": 0.5, "window": 8, "interval": 4},
-    "razor": {"ratio": 0.25, "sink": 4, "buffer": 32},
-    "pod": {"ratio": 0.5},
-}
+#: each policy's small test settings (``TEST_PARAMS``): decode-time recompression happens within MAX_TOKENS
+SPECS: dict[str, dict] = {name: dict(get_policy_class(name).TEST_PARAMS) for name in POLICY_NAMES}
 LOGPROB_TOL = 1e-4
 
 
@@ -47,10 +38,6 @@ def _assert_same(vllm_out, expected, label):
     got = token_logprobs(vllm_out)
     worst = max(abs(a - b) for a, b in zip(got, expected.logprobs))
     assert worst <= LOGPROB_TOL, f"{label}: logprob differs by {worst:.2e}"
-
-
-def test_specs_cover_every_policy():
-    assert set(SPECS) == set(POLICY_NAMES)
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)

@@ -28,7 +28,12 @@ from tests.helpers.paged_cells import (
     buffer,
     eq5,
 )
-from vllm_kvcomp.engine.cache import CpuPagedCache, CudaPagedCache, SequenceCompensation
+from vllm_kvcomp.engine.cache import (
+    AttentionVariant,
+    CpuPagedCache,
+    CudaPagedCache,
+    SequenceCompensation,
+)
 from vllm_kvcomp.engine.pages import Move
 
 
@@ -119,15 +124,18 @@ def test_refusals():
 
 
 # ---------------------------------------------------------------------------- attention
-@pytest.mark.parametrize("queries", [[1, 3, 1, 1, 1], [1, 1, 1, 1, 1]], ids=["mixed", "decode"])
+@pytest.mark.parametrize("capped", [False, True], ids=["plain", "softcap-sinks"])
+@pytest.mark.parametrize("queries", [[1, 3, 1, 1, 1, 2], [1] * 6], ids=["mixed", "decode"])
 @pytest.mark.parametrize(("kind", "device"), ATTEND_CASES)
-def test_attend_virtual_sequences_equals_eq5(kind, device, queries):
-    """Sequences over random pages of any layer, 1- and 3-token query rows (or one each: the
-    decode launch), some with a compensation token; poison in every cell no sequence reads."""
+def test_attend_virtual_sequences_equals_eq5(kind, device, queries, capped):
+    """Sequences over random pages of any layer, 1- to 3-token query rows (or one each: the
+    decode launch), some with a compensation token; poison in every cell no sequence reads. With
+    ``capped`` the layer soft-caps its logits (Gemma 2) and has sinks per query head (gpt-oss),
+    large enough to matter; sequence s reads KV head s % H_kv."""
     cache = CLASSES[kind](buffer(device))
     gen = torch.Generator().manual_seed(0)
     perm = torch.randperm(cache.num_pages, generator=gen)
-    lengths, tables, data, used = [70, 7, 33, 32, 1], [], [], 0
+    lengths, tables, data, used = [70, 7, 33, 32, 1, 50], [], [], 0
     for n in lengths:
         pages = perm[used : used + -(-n // BS)]
         used += pages.numel()
@@ -136,14 +144,22 @@ def test_attend_virtual_sequences_equals_eq5(kind, device, queries):
                           keys.to(device), values.to(device))
         tables.append(torch.nn.functional.pad(pages, (0, 3 - pages.numel())))
         data.append((keys, values))
-    comp = (torch.randn(5, D, generator=gen), torch.randn(5, D, generator=gen), torch.tensor([4.0, 0, 0, 9.0, 2.0]))
-    q = torch.randn(sum(queries), GROUP, D, generator=gen)
+    comp = (torch.randn(6, D, generator=gen), torch.randn(6, D, generator=gen),
+            torch.tensor([4.0, 0, 0, 9.0, 2.0, 0]))
+    q = (8.0 if capped else 1.0) * torch.randn(sum(queries), GROUP, D, generator=gen)
+    sinks = torch.tensor([3.0, -1.0, 0.5, 6.0]) if capped else None  # [H_q] = [H_kv * G]
+    variant = AttentionVariant(SCALE, 4.0 if capped else 0.0, None if sinks is None else sinks.to(device))
     starts = torch.cumsum(torch.tensor([0, *queries]), 0)
-    plan = SequenceCompensation.plan(*(t.unsqueeze(0) for t in comp), queries, torch.tensor([lengths]), BS, device)
+    plan = SequenceCompensation.plan(*(t.unsqueeze(0) for t in comp), queries, torch.tensor([lengths]), BS, device,
+                                     [capped])
     out = cache.attend(q.to(device), torch.stack(tables).to(device), torch.tensor(lengths).to(device),
-                       starts.to(device), SCALE, plan[0])
+                       starts.to(device), variant, plan[0])
     for s, (keys, values) in enumerate(data):
         rows = slice(int(starts[s]), int(starts[s + 1]))
-        ref = eq5(q[rows], keys, values, tuple(t[s] for t in comp))
+        head_sinks = None if sinks is None else sinks.view(HK, GROUP)[s % HK]
+        ref = eq5(q[rows], keys, values, tuple(t[s] for t in comp), variant.softcap, head_sinks)
         torch.testing.assert_close(out[rows].cpu().double(), ref, rtol=2e-5, atol=2e-5)
+    if capped:  # the variant is active: leaving it out changes the result
+        plain = eq5(q[:1], *data[0], tuple(t[0] for t in comp))
+        assert float((plain - out[:1].cpu().double()).abs().max()) > 1e-2
 

@@ -11,6 +11,9 @@ import pytest
 
 from tests.engine.conftest import BLOCK_SIZE, generate, params, prompt_ids, token_logprobs
 from tests.engine.test_lifecycle import _add, _assert_clean, _drain
+from vllm_kvcomp import vllm_compat
+
+pytestmark = pytest.mark.engine
 
 SPECS = {
     "streamingllm": {"policy": "streamingllm", "ratio": 0.25},
@@ -120,13 +123,13 @@ def test_abort_with_shared_blocks_leaks_nothing(engine, abort_after):
     _drain(engine)
     _assert_clean(engine, free0)
     assert engine.sched_connector.cow == {}
-    assert all(b.ref_cnt == 0 for b in engine.pool.blocks if not b.is_null)
+    assert all(vllm_compat.block_refs(b) == 0 for b in engine.pool.blocks if not vllm_compat.is_null_block(b))
 
 
 def test_without_spares_packs_in_place_outside_the_cache(engine, monkeypatch):
     """A pool with no block to spare: the request's own unshared columns leave the prefix cache
     and it packs into them, at the same point and with the same result as with spares."""
-    from vllm_kvcomp import vllm_compat
+    from vllm_kvcomp.engine import blocks
 
     prompt = prompt_ids(600, seed=9150)
     spec = {"policy": "snapkv", "ratio": 0.25, "window": 16}
@@ -135,7 +138,7 @@ def test_without_spares_packs_in_place_outside_the_cache(engine, monkeypatch):
     with_spares = generate(engine, [prompt], params(16, **spec))[0]
     _drain(engine)
     free0 = engine.free_blocks
-    monkeypatch.setattr(vllm_compat, "new_blocks", lambda manager, count: None if count > 0 else [])
+    monkeypatch.setattr(blocks, "new_blocks", lambda manager, count: None if count > 0 else [])
     in_place = generate(engine, [prompt], params(16, **spec))[0]
     monkeypatch.undo()
     assert with_spares.num_cached_tokens == in_place.num_cached_tokens == hit
@@ -153,7 +156,7 @@ def test_without_spares_packs_in_place_outside_the_cache(engine, monkeypatch):
 def test_without_spares_and_shared_blocks_waits(engine, monkeypatch):
     """No spare and its columns shared with a running request: the compaction waits (the
     request decodes uncompressed meanwhile) and happens once spares come."""
-    from vllm_kvcomp import vllm_compat
+    from vllm_kvcomp.engine import blocks
 
     _drain(engine)
     prompt = prompt_ids(600, seed=9160)
@@ -161,13 +164,13 @@ def test_without_spares_and_shared_blocks_waits(engine, monkeypatch):
     free0 = engine.free_blocks
     spec = {"policy": "snapkv", "ratio": 0.25, "window": 16}
     calls = []
-    real = vllm_compat.new_blocks
+    real = blocks.new_blocks
 
     def short_pool(manager, count):
         calls.append(count)
         return None if len(calls) <= 3 and count > 0 else real(manager, count)
 
-    monkeypatch.setattr(vllm_compat, "new_blocks", short_pool)
+    monkeypatch.setattr(blocks, "new_blocks", short_pool)
     _add(engine, "sharer", prompt, params(40))  # plain: holds the same cached blocks
     _add(engine, "waiter", prompt, params(24, **spec))
     outputs = {}

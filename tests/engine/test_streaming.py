@@ -17,6 +17,8 @@ from vllm_kvcomp.params import SpecError
 from vllm_kvcomp.policies.registry import POLICY_NAMES, streaming_policy_names
 from vllm_kvcomp.spec import CompressionSpec
 
+pytestmark = pytest.mark.engine
+
 BLOCK = 32
 PROMPT = 700
 MAX_TOKENS = 12

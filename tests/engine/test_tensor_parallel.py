@@ -14,6 +14,8 @@ import pytest
 from tests.engine.conftest import prompt_ids
 from tests.engine.stream_engine import engine_request, run_engine
 
+pytestmark = pytest.mark.engine
+
 MAX_TOKENS = 12
 NUMBERS = ("tokens_kept", "kept_max_head", "compressions", "blocks_freed", "tokens_evicted")
 SPECS = {

@@ -22,10 +22,13 @@ def decode_refs(
     starts: torch.Tensor | None,
     compensation: Compensation | None,
     scale: float,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[Result, Result]:
     """The reference (out, lse) on float64 inputs and on the test dtype's inputs, on the CPU."""
     cpu = paged.cpu()
-    args = (cpu.block_table, cpu.seq_lens, starts, compensation, scale)
+    sinks = None if sinks is None else sinks.cpu()
+    args = (cpu.block_table, cpu.seq_lens, starts, compensation, scale, softcap, sinks)
     exact = decode_reference(q.cpu().double(), cpu.cache.double(), *args)
     low = decode_reference(q.cpu(), cpu.cache, *args)
     return exact, low
@@ -40,9 +43,11 @@ def assert_decode_close(
     out: torch.Tensor,
     lse: torch.Tensor,
     what: str = "",
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """A kernel's out [B, H_q, D] (q's dtype) and lse [B, H_q] float32 match the reference."""
-    (o64, l64), (o_lp, l_lp) = decode_refs(q, paged, starts, compensation, scale)
+    (o64, l64), (o_lp, l_lp) = decode_refs(q, paged, starts, compensation, scale, softcap, sinks)
     assert out.dtype == q.dtype and lse.dtype == torch.float32, (out.dtype, lse.dtype)
     assert_close_to_ref(out, o64, o_lp, what=f"out {what}")
     assert_close_to_ref(lse, l64, l_lp, what=f"lse {what}")

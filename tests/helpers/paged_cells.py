@@ -32,14 +32,16 @@ def buffer(device: str = "cpu", dtype: torch.dtype = torch.float32) -> list[torc
     return [storage[layer] for layer in range(L)]
 
 
-def eq5(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, comp: tuple | None) -> torch.Tensor:
-    """q [T, G, D] (the last T tokens of keys/values [n, D], causal) -> [T, G, D] float64."""
+def eq5(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, comp: tuple | None, softcap: float = 0.0,
+        sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, G, D] (the last T tokens of keys/values [n, D], causal) -> [T, G, D] float64, with
+    logits capped at ``softcap`` (0 = off) and ``sinks`` [G] (None = off)."""
     t, n = q.shape[0], keys.shape[0]
     mask = torch.arange(n).view(1, n) <= (n - t + torch.arange(t)).view(t, 1)
     k_hat, v_hat, count = comp if comp is not None else (torch.zeros(D), torch.zeros(D), 0.0)
     expand = lambda x: x.double().unsqueeze(1).expand(-1, GROUP, -1)  # noqa: E731
     return compensated_attention(q.double(), expand(keys), expand(values), k_hat.double().expand(GROUP, -1),
                                  v_hat.double().expand(GROUP, -1), torch.full((GROUP,), float(count)).double(),
-                                 SCALE, mask)
+                                 SCALE, mask, softcap, None if sinks is None else sinks.double())
 
 

@@ -134,3 +134,28 @@ def test_decode_attention_replays_in_a_cuda_graph(backend: str) -> None:
     torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
     assert_decode_close(q, paged, starts.cpu(), tuple(t.cpu() for t in comp), 128**-0.5, out, lse,
                         what=f"graph replay {backend}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sink_shape", ["per-head", "per-row"])
+def test_soft_cap_and_sinks(backend: str, sink_shape: str) -> None:
+    """Gemma 2's logit soft-capping and gpt-oss's learned sinks, with ragged starts and a
+    compensation token, on every backend against the reference (the CUDA extension refuses them)."""
+    case = Case(torch.float32, 64, 16, 4, "HNC", True, True)
+    paged = case.paged(SEQ_LENS, KV_HEADS, seed=2)
+    gen = torch.Generator().manual_seed(12)
+    batch, hq = len(SEQ_LENS), KV_HEADS * case.group
+    q = (6 * torch.randn(batch, hq, case.head_dim, generator=gen)).to(DEVICE)  # logits past the cap
+    starts = random_starts(SEQ_LENS, KV_HEADS, min_len=0)
+    comp = (torch.randn(batch, KV_HEADS, 64, generator=gen), torch.randn(batch, KV_HEADS, 64, generator=gen),
+            torch.tensor([[3.0, 0.0], [1.0, 9.0], [0.0, 2.0]]))
+    sinks = 3 * torch.randn(hq if sink_shape == "per-head" else (batch, hq), generator=gen)
+    if backend == "cuda":  # the extension has neither: refused, never silently dropped
+        with pytest.raises(RuntimeError, match="CUDA extension"):
+            kernels.decode_attention(q, paged.cache, paged.block_table, paged.seq_lens, backend="cuda",
+                                     softcap=5.0, sinks=sinks.to(DEVICE))
+        return
+    out, lse = kernels.decode_attention(q, paged.cache, paged.block_table, paged.seq_lens, starts.to(DEVICE),
+                                        tuple(t.to(DEVICE) for t in comp), scale=0.125, backend=backend,
+                                        softcap=5.0, sinks=sinks.to(DEVICE))
+    assert_decode_close(q, paged, starts, comp, 0.125, out, lse, what=backend, softcap=5.0, sinks=sinks)

@@ -114,3 +114,50 @@ def test_head_starts_forms() -> None:
     per_head = torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int64)
     got = head_starts(per_head, 2, 3, dev)
     assert got.dtype == torch.int32 and got.tolist() == per_head.tolist()
+
+
+def naive_variant(q, paged, starts, comp, scale: float, cap: float, sinks: torch.Tensor) -> torch.Tensor:
+    """out [B, H_q, D] float64 from one explicit softmax per query head over every logit it sees:
+    its kept keys' and the compensation token's (capped: cap·tanh(x / cap)), then its sink (a
+    zero value); written without the package's attention math."""
+    batch, hq, d = q.shape
+    group = hq // KV_HEADS
+    out = torch.zeros(batch, hq, d, dtype=torch.float64)
+    for b in range(batch):
+        keys, values = paged.kv(b)
+        for i in range(hq):
+            h = i // group
+            lo = int(starts[b, h])
+            k, v = keys[h, lo:].double(), values[h, lo:].double()
+            k_hat, v_hat, count = (t[b, h].double() for t in comp)
+            logits = [cap * math.tanh(float(q[b, i].double() @ k[j]) * scale / cap) for j in range(k.shape[0])]
+            vals = [v[j] for j in range(k.shape[0])]
+            if count > 0:
+                logits.append(cap * math.tanh(float(q[b, i].double() @ k_hat) * scale / cap) + math.log(count))
+                vals.append(v_hat)
+            logits.append(float(sinks[i]))
+            vals.append(torch.zeros(d, dtype=torch.float64))
+            p = torch.softmax(torch.tensor(logits, dtype=torch.float64), 0)
+            out[b, i] = sum(w * x for w, x in zip(p, vals, strict=True))
+    return out
+
+
+def test_reference_soft_cap_and_sinks_equal_one_explicit_softmax() -> None:
+    paged = make_paged(SEQ_LENS, KV_HEADS, 8, 16, torch.float64)
+    gen = torch.Generator().manual_seed(11)
+    batch, group = len(SEQ_LENS), 2
+    q = 4 * torch.randn(batch, KV_HEADS * group, 8, generator=gen, dtype=torch.float64)  # logits reach the cap
+    starts = random_starts(SEQ_LENS, KV_HEADS, min_len=0)
+    comp = (
+        torch.randn(batch, KV_HEADS, 8, generator=gen, dtype=torch.float64),
+        torch.randn(batch, KV_HEADS, 8, generator=gen, dtype=torch.float64),
+        torch.tensor([[0.0, 4.0], [1.0, 0.0], [7.0, 2.0], [0.0, 0.0]], dtype=torch.float64),
+    )
+    sinks = torch.tensor([2.0, -1.0, 0.5, 8.0], dtype=torch.float64)
+    out, lse = decode_reference(q, paged.cache, paged.block_table, paged.seq_lens, starts, comp, 0.5,
+                                softcap=3.0, sinks=sinks)
+    want = naive_variant(q, paged, starts, comp, 0.5, 3.0, sinks)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    assert bool((lse >= sinks).all())  # the sink is part of the partition function
+    plain, _ = decode_reference(q, paged.cache, paged.block_table, paged.seq_lens, starts, comp, 0.5)
+    assert float((plain - out).abs().max()) > 0.1  # the variant is active in this test

@@ -1,4 +1,5 @@
-"""Shared helpers for policy tests (as fixtures): a policy factory and a small engine stand-in.
+"""Shared helpers for policy tests: every registered policy and variant as a test case, built
+from its class's ``TEST_PARAMS`` (:func:`make_policy`, :data:`CASES`), and a small engine stand-in.
 
 ``FakeRequest`` keeps, per layer and KV head, the live tokens (K, V, logical position), lays them
 out right-aligned like the engine, compacts them to a policy's selection and appends decode
@@ -7,13 +8,24 @@ tokens; queries roll across prefill and decode.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
 
-from vllm_kvcomp.policies.base import LayerKV, Policy, Selection
-from vllm_kvcomp.policies.registry import get_policy_class
+from vllm_kvcomp.calibration.profiles import (
+    LayerGroupsProfile,
+    ModelIdentity,
+    Profile,
+    RetrievalHeadsProfile,
+    bind_profile,
+)
+from vllm_kvcomp.policies.base import LayerKV, Policy, RequestState, ScorePolicy, Selection
+from vllm_kvcomp.policies.registry import get_policy_class, policy_variants
+from vllm_kvcomp.spec import CompressionSpec
 
 
 @pytest.fixture(autouse=True)
@@ -24,30 +36,24 @@ def _one_thread():
     yield
     torch.set_num_threads(threads)
 
-# small sizes so that short random prompts exercise every code path
-TEST_OVERRIDES: dict[str, dict] = {
-    "full": {},
-    "streamingllm": {"sink": 3, "interval": 4},
-    "snapkv": {"window": 6, "kernel": 3},
-    "h2o": {"window": 4, "interval": 4},
-    "knorm": {"sink": 2, "window": 3},
-    "sagekv": {"interval": 4},
-    "lagkv": {"sink": 4, "lag": 8},
-    "entropy": {"window": 6, "interval": 4},
+
+#: a model of the test requests' shape: 2 layers, up to 4 KV heads
+TEST_MODEL = ModelIdentity.from_config({"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 8,
+                                        "num_key_value_heads": 4, "hidden_size": 64})
+#: calibration data per profile kind (``Policy.PROFILE``): retrieval heads in both layers and in
+#: both tensor-parallel halves of 4 heads; one group of both layers
+TEST_PROFILES: dict[str, Profile] = {
+    "razor": RetrievalHeadsProfile(model=TEST_MODEL, kv_heads=frozenset({(0, 0), (0, 3), (1, 2)})),
+    "pod": LayerGroupsProfile(model=TEST_MODEL, groups=((0, 1),)),
 }
 
-#: Policies that keep exactly min(budget, length) tokens in every head.
-EQUAL_BUDGET = ("streamingllm", "snapkv", "h2o", "knorm", "sagekv")
 
-
-def make_policy(name: str, **overrides) -> Policy:
-    """A policy by public name with small test-friendly settings (``overrides`` win)."""
-    if name in ("razor", "pod"):
-        cls = get_policy_class(name)
-        if name == "razor":
-            return cls(retrieval_heads=frozenset({(0, 0)}), **overrides)
-        return cls(groups=((0, 1),), **overrides)
-    return get_policy_class(name)(**{**TEST_OVERRIDES[name], **overrides})
+def make_policy(name: str, **settings) -> Policy:
+    """A policy by public name, built through the spec from its class's ``TEST_PARAMS`` (small
+    settings for short prompts; ``settings`` win) and bound to the test profile of its kind."""
+    cls = get_policy_class(name)
+    policy = CompressionSpec.from_mapping({"policy": name, **cls.TEST_PARAMS, **settings}).build_policy()
+    return policy if cls.PROFILE is None else bind_profile(policy, TEST_PROFILES[cls.PROFILE])
 
 
 @dataclass
@@ -152,6 +158,72 @@ class FakeRequest:
         self.next_position += 1
 
 
+def keeps_budget_per_head(policy: Policy) -> bool:
+    """A score policy with the same budget for every head (no allocation across heads)."""
+    return isinstance(policy, ScorePolicy) and not policy.allocates_across_heads()
+
+
+def cases(keep: Callable[[Policy], bool] = lambda policy: True) -> list:
+    """A ``pytest.param`` of (label, policy name, spec settings) for every registered policy and
+    each of its ``VARIANTS`` whose default instance passes ``keep``."""
+    return [pytest.param(case, id=case[0].replace(" ", "-")) for case in policy_variants()
+            if keep(get_policy_class(case[1])(**case[2]))]
+
+
+#: every registered policy and variant, when collected
+CASES = cases()
+
+
+def make_case(case: tuple[str, str, Mapping[str, Any]]) -> Policy:
+    """The policy of a (label, policy name, spec settings) case, by :func:`make_policy`."""
+    _, name, settings = case
+    return make_policy(name, **settings)
+
+
+#: (prompt tokens, KV heads, query heads per KV head, ragged heads): the shapes every policy runs on
+SHAPES = list(itertools.product((1, 7, 40, 97), (1, 3), (1, 3), (False, True)))
+SHAPE_IDS = [f"n{n}-h{h}-g{g}-{'ragged' if r else 'equal'}" for n, h, g, r in SHAPES]
+
+
+@dataclass
+class Compression:
+    """One compression of a :class:`FakeRequest`: what the policy saw and chose."""
+
+    layers: list[LayerKV]
+    selections: list[Selection]
+    state: RequestState
+    totals: list[list[int]]  # [layer][head]: tokens the head has seen (prompt + decode)
+
+
+def compressions(policy: Policy, request: FakeRequest, decode_steps: int = 0) -> Iterator[Compression]:
+    """The prompt-end compression of ``request``, then every recompression that falls due in
+    ``decode_steps`` decode steps; each selection is applied once the caller has looked at it."""
+    window = policy.queries_needed()
+    prompt = [request.lengths(layer) for layer in range(request.num_layers)]
+    state = RequestState(prompt_len=request.next_position)
+    steps_since = 0
+    for step in range(decode_steps + 1):
+        if step:
+            request.decode_step()
+            steps_since += 1
+            if not (policy.RECOMPRESSES and policy.due(state, request.max_live(), steps_since)):
+                continue
+        layers = request.layers(window)
+        selections = policy.select(layers, state)
+        yield Compression(layers, selections, state, [[n + step for n in heads] for heads in prompt])
+        request.apply(selections)
+        steps_since = 0
+
+
+def protected_slots(length: int, n: int, keep: int, sink: int, window: int) -> list[int]:
+    """The first ``sink`` and last ``window`` of a head's ``length`` live (right-aligned) slots out
+    of ``n``, as many as fit in ``keep``: what it must keep when it keeps ``keep``."""
+    start = n - length
+    s = min(sink, keep)
+    w = min(window, keep - s)
+    return [*range(start, start + s), *range(n - w, n)]
+
+
 def check_indices(kv: LayerKV, selection: Selection) -> None:
     """Sorted, unique, int64, inside each head's live suffix."""
     assert len(selection.indices) == kv.num_kv_heads
@@ -162,12 +234,6 @@ def check_indices(kv: LayerKV, selection: Selection) -> None:
             assert bool((idx[1:] > idx[:-1]).all()), f"head {h} not sorted/unique: {idx}"
             assert int(idx[0]) >= kv.num_slots - int(lengths[h]), f"head {h} keeps an invalid slot"
             assert int(idx[-1]) < kv.num_slots
-
-
-@pytest.fixture(name="make_policy")
-def make_policy_fixture():
-    """The :func:`make_policy` factory."""
-    return make_policy
 
 
 @pytest.fixture

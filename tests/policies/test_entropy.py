@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.policies.conftest import SHAPE_IDS, SHAPES, compressions, make_policy, protected_slots
 from vllm_kvcomp.policies.base import LayerKV, RequestState
 from vllm_kvcomp.policies.entropy import (
     EntropyBudget,
@@ -153,3 +154,49 @@ def test_decode_slides_recent_and_keeps_pinned():
         assert len(kept) == budget
         assert kept[: sink + top] == before[: sink + top]
         assert kept[sink + top :] == list(range(69 - recent, 69))
+
+
+@pytest.mark.parametrize(("n", "heads", "group", "ragged"), SHAPES, ids=SHAPE_IDS)
+def test_every_head_keeps_its_layer_budget_with_sink_and_recent(n, heads, group, ragged, fake_request,
+                                                                check_indices):
+    """On the shared shapes, at the prompt's end and in every decode recompression: each head
+    keeps ``min(layer budget, length)`` with the budget's sink and recent window; heads of equal
+    length keep the same slots."""
+    policy = make_policy("entropy")
+    request = fake_request(n, heads, group, ragged=ragged, seed=n * 7 + heads)
+    for done in compressions(policy, request, decode_steps=40):
+        for kv, sel in zip(done.layers, done.selections):
+            check_indices(kv, sel)
+            budget = done.state.layer(kv.layer)["budget"]
+            sink, _, recent = split_layer_budget(budget)
+            lengths = kv.valid_lengths().tolist()
+            assert sel.counts().tolist() == [min(budget, length) for length in lengths]
+            for idx, length in zip(sel.indices, lengths):
+                keep = min(budget, length)
+                assert set(protected_slots(length, kv.num_slots, keep, sink, recent)) <= set(idx.tolist())
+            if not ragged:
+                assert all(torch.equal(sel.indices[0], idx) for idx in sel.indices), "heads differ"
+
+
+@pytest.mark.parametrize(("ratio", "n"), [(0.5, 200), (0.25, 200), (0.125, 333), (0.25, 1000)])
+def test_the_request_holds_the_ratio_within_a_page(ratio, n):
+    """Issue #28: ``ratio`` is the mean kept fraction over every layer and head. Six layers whose
+    attention runs from flat to sharp get unequal budgets (clipped to [0.25, 2]·B) that sum to
+    6·B, B = ceil(ratio·N); on 32-token pages the mean held is within one page of B."""
+    gen = torch.Generator().manual_seed(n)
+    heads, dim, window = 2, 8, 8
+    layers = []
+    for layer in range(6):
+        keys, values = torch.randn(heads, n, dim, generator=gen), torch.randn(heads, n, dim, generator=gen)
+        queries = keys[:, torch.randint(0, n, (window,), generator=gen)] * layer  # sharper with depth
+        layers.append(LayerKV(keys, values, layer=layer, num_layers=6, queries=queries))
+    policy = EntropyBudget(ratio=ratio, window=window)
+    budget = policy.kept_for(n)
+    plain = torch.cat([sel.counts() for sel in policy.select(layers, RequestState(prompt_len=n))])
+    assert len(set(plain.tolist())) > 2, "the layers did not get different budgets"
+    assert int(plain.sum()) == budget * 6 * heads
+    assert policy.mean_kept_bound(n, num_heads=6 * heads) == budget
+    state = RequestState(prompt_len=n, page_quantum=(32, n % 32))
+    paged = torch.cat([sel.counts() for sel in policy.select(layers, state)]).float()
+    assert budget <= float(paged.mean()) < budget + 32
+    assert abs(float(paged.mean()) / n - ratio) <= 32 / n

@@ -1,4 +1,6 @@
-"""Invariants every policy in POLICY_NAMES must satisfy on random K/V/queries."""
+"""Invariants every registered policy (and each of its ``VARIANTS``) satisfies on random K/V and
+queries, with the class's ``TEST_PARAMS``. Nothing here names a policy: a new one gets every
+check. A policy's own rules (LagKV's eq. 10, the entropy layer budgets, ...) are in its own file."""
 
 from __future__ import annotations
 
@@ -7,169 +9,154 @@ import itertools
 import pytest
 import torch
 
-from vllm_kvcomp.policies.base import RequestState, ScorePolicy, SlotMemory
-from vllm_kvcomp.policies.entropy import split_layer_budget
-from vllm_kvcomp.policies.lagkv import lagkv_retained
-from vllm_kvcomp.policies.registry import POLICY_NAMES, get_policy_class
+from tests.policies.conftest import (
+    CASES,
+    SHAPE_IDS,
+    SHAPES,
+    Compression,
+    cases,
+    compressions,
+    keeps_budget_per_head,
+    make_case,
+    protected_slots,
+)
+from vllm_kvcomp.policies.base import Policy, RequestState, ScorePolicy, SlotMemory
+from vllm_kvcomp.policies.registry import NO_COMPRESSION_WORDS
 
-EQUAL_BUDGET = ("streamingllm", "snapkv", "h2o", "knorm", "sagekv")
-SHAPES = list(itertools.product((1, 7, 40, 97), (1, 3), (1, 3), (False, True)))
-SHAPE_IDS = [f"n{n}-h{h}-g{g}-{'ragged' if r else 'equal'}" for n, h, g, r in SHAPES]
-
-
-SCORE_POLICIES = [name for name in POLICY_NAMES if issubclass(get_policy_class(name), ScorePolicy)]
-
-
-def _protected_slots(length: int, n: int, keep: int, sink: int, window: int) -> tuple[list[int], list[int]]:
-    """(sink slots, window slots) a head of ``length`` live slots must keep out of ``keep``."""
-    start = n - length
-    s = min(sink, keep)
-    w = min(window, keep - s)
-    return list(range(start, start + s)), list(range(n - w, n))
+RECOMPRESSING = cases(lambda policy: policy.RECOMPRESSES)
+PER_HEAD_BUDGET = cases(keeps_budget_per_head)
 
 
-def _check_protected(policy, name: str, kv, sel, state: RequestState, totals=None) -> None:
-    """Sink and window slots kept; ``totals`` = tokens each head has seen (LagKV's grid)."""
-    lengths = kv.valid_lengths().tolist()
-    totals = totals or lengths
-    n = kv.num_slots
-    memory = state.layer(kv.layer)
-    for h, idx in enumerate(sel.indices):
-        kept = set(idx.tolist())
-        length = lengths[h]
-        if isinstance(policy, ScorePolicy):
-            sink, window = policy.protected_for(kv, state)
-            keep = min(int(state.budget), length)
-        elif name == "lagkv":
-            sink = policy.sink
-            rest = totals[h] - sink
-            window = policy.lag + rest % policy.lag if rest >= 2 * policy.lag else length
-            keep = length
-        elif name == "entropy":
-            sink, _, window = split_layer_budget(memory["budget"])
-            keep = min(memory["budget"], length)
-        else:
-            continue
-        sinks, recent = _protected_slots(length, n, keep, sink, window)
-        assert set(sinks) <= kept, f"{name}: head {h} lost a sink token"
-        assert set(recent) <= kept, f"{name}: head {h} lost a window token"
+def check_counts(policy: Policy, done: Compression, first: bool) -> None:
+    """The budget a compression fixes (``RequestState.budget``): a policy that fixed none kept
+    everything; a per-head score policy keeps exactly ``min(budget, length)`` per head, then and
+    in every recompression; at the ``first`` compression the heads a layer cuts (those not kept
+    whole) keep at most the per-head budget between them, moved between heads or not."""
+    budget = done.state.budget
+    for kv, sel in zip(done.layers, done.selections):
+        counts, lengths = sel.counts().tolist(), kv.valid_lengths().tolist()
+        if budget is None:
+            assert counts == lengths, "no budget fixed, yet tokens were evicted"
+        elif keeps_budget_per_head(policy):
+            assert counts == [min(budget, length) for length in lengths]
+        elif first:
+            cut = [(c, n) for c, n in zip(counts, lengths) if c < n]
+            assert sum(c for c, _ in cut) <= sum(min(budget, n) for _, n in cut), (
+                f"layer {kv.layer}: compressed heads keep (kept, live) {cut}, over the budget {budget} each")
 
 
-def _check_counts(policy, name: str, kv, sel, state: RequestState, totals=None) -> None:
-    counts = sel.counts().tolist()
-    lengths = kv.valid_lengths().tolist()
-    totals = totals or lengths
-    if name == "full":
-        assert counts == lengths
-    elif name in EQUAL_BUDGET:
-        assert counts == [min(int(state.budget), length) for length in lengths]
-    elif name == "lagkv":
-        assert counts == [lagkv_retained(total, policy.sink, policy.lag, policy.ratio) for total in totals]
-    elif name == "entropy":
-        budget = state.layer(kv.layer)["budget"]
-        assert counts == [min(budget, length) for length in lengths]
+def check_planning_bounds(policy: Policy, done: Compression) -> None:
+    """What the scheduler plans a prompt-end compression by, every head having seen the whole
+    prompt: ``mean_kept_bound`` (mean over every layer and head) and, for a policy that streams,
+    ``streaming_bound`` (every head)."""
+    prompt_len = done.state.prompt_len
+    counts = torch.cat([sel.counts() for sel in done.selections]).float()
+    mean_bound = policy.mean_kept_bound(prompt_len, num_heads=len(counts))
+    if mean_bound is not None:
+        assert float(counts.mean()) <= mean_bound + 1e-9, f"mean kept {float(counts.mean())} > {mean_bound}"
+    stream_bound = policy.streaming_bound(prompt_len) if type(policy).STREAMS else None
+    if stream_bound is not None:
+        assert int(counts.max()) <= stream_bound, f"a head keeps {int(counts.max())} > {stream_bound}"
 
 
-def _check_memory(kv, sel, state: RequestState) -> None:
+def check_protected(policy: Policy, done: Compression) -> None:
+    """A score policy keeps its protected sink and window slots."""
+    if not isinstance(policy, ScorePolicy):
+        return
+    for kv, sel in zip(done.layers, done.selections):
+        sink, window = policy.protected_for(kv, done.state)
+        for h, (idx, length) in enumerate(zip(sel.indices, kv.valid_lengths().tolist())):
+            keep = min(int(done.state.budget), length)
+            kept = set(protected_slots(length, kv.num_slots, keep, sink, window))
+            assert kept <= set(idx.tolist()), f"head {h} lost a sink or window token"
+
+
+def check_memory(done: Compression) -> None:
     """Per-slot memories hold exactly the kept tokens' positions (gathered with the selection)."""
-    positions = kv.slot_positions()
-    for value in state.layer(kv.layer).values():
-        if not isinstance(value, SlotMemory):
-            continue
-        for h, idx in enumerate(sel.indices):
-            remembered = value.positions[h][value.positions[h] >= 0]
-            assert torch.equal(remembered, positions[h, idx]), "slot memory not gathered to the kept slots"
+    for kv, sel in zip(done.layers, done.selections):
+        positions = kv.slot_positions()
+        for value in done.state.layer(kv.layer).values():
+            if not isinstance(value, SlotMemory):
+                continue
+            for h, idx in enumerate(sel.indices):
+                remembered = value.positions[h][value.positions[h] >= 0]
+                assert torch.equal(remembered, positions[h, idx]), "slot memory not gathered to the kept slots"
 
 
-@pytest.mark.parametrize(("n", "heads", "group", "ragged"), SHAPES, ids=SHAPE_IDS)
-@pytest.mark.parametrize("name", POLICY_NAMES)
-def test_selection_invariants(name, n, heads, group, ragged, make_policy, fake_request, check_indices):
-    policy = make_policy(name)
-    request = fake_request(n, heads, group, ragged=ragged, seed=n * 7 + heads)
-    layers = request.layers(policy.queries_needed())
-    state = RequestState(prompt_len=n)
-    selections = policy.select(layers, state)
-    assert len(selections) == len(layers)
-    for kv, sel in zip(layers, selections):
+def check_compression(policy: Policy, done: Compression, check_indices, first: bool = True) -> None:
+    """Every check of one compression (the ``first`` of a request, or a recompression)."""
+    assert len(done.selections) == len(done.layers)
+    for kv, sel in zip(done.layers, done.selections):
         check_indices(kv, sel)
-        _check_counts(policy, name, kv, sel, state)
-        _check_protected(policy, name, kv, sel, state)
-        _check_memory(kv, sel, state)
-    if name == "entropy" and not ragged:
-        for sel in selections:
-            assert all(torch.equal(sel.indices[0], idx) for idx in sel.indices), "entropy: heads differ"
+    check_counts(policy, done, first)
+    check_protected(policy, done)
+    check_memory(done)
 
 
 @pytest.mark.parametrize(("n", "heads", "group", "ragged"), SHAPES, ids=SHAPE_IDS)
-@pytest.mark.parametrize("name", SCORE_POLICIES)
-def test_score_policy_keeps_top_scores(name, n, heads, group, ragged, make_policy, fake_request):
+@pytest.mark.parametrize("case", CASES)
+def test_selection_invariants(case, n, heads, group, ragged, fake_request, check_indices):
+    policy = make_case(case)
+    (done,) = compressions(policy, fake_request(n, heads, group, ragged=ragged, seed=n * 7 + heads))
+    check_compression(policy, done, check_indices)
+    if not ragged:
+        check_planning_bounds(policy, done)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_test_params_make_short_prompts_compress(case, fake_request):
+    """The matrix is not vacuous: with ``TEST_PARAMS`` the longest prompt loses tokens (but for
+    the policy that never compresses)."""
+    policy = make_case(case)
+    request = fake_request(SHAPES[-1][0], 3, 3, seed=1)
+    live = sum(sum(request.lengths(layer)) for layer in range(request.num_layers))
+    (done,) = compressions(policy, request)
+    kept = sum(int(sel.counts().sum()) for sel in done.selections)
+    assert (kept == live) == (case[1] in NO_COMPRESSION_WORDS), f"kept {kept} of {live}"
+
+
+@pytest.mark.parametrize(("n", "heads", "group", "ragged"), SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("case", PER_HEAD_BUDGET)
+def test_score_policy_keeps_top_scores(case, n, heads, group, ragged, fake_request):
     """Kept = protected regions + the best scores of the rest (brute force, any tie order)."""
-    policy = make_policy(name)
-    request = fake_request(n, heads, group, ragged=ragged, seed=n + 13 * heads + group)
-    layers = request.layers(policy.queries_needed())
-    state = RequestState(prompt_len=n)
-    selections = policy.select(layers, state)
-    for kv, sel in zip(layers, selections):
-        scores = policy.score(kv, RequestState(budget=state.budget)).float()
-        sink, window = policy.protected_for(kv, state)
+    policy = make_case(case)
+    (done,) = compressions(policy, fake_request(n, heads, group, ragged=ragged, seed=n + 13 * heads + group))
+    for kv, sel in zip(done.layers, done.selections):
+        scores = policy.score(kv, RequestState(budget=done.state.budget)).float()
+        sink, window = policy.protected_for(kv, done.state)
         lengths = kv.valid_lengths().tolist()
         for h, idx in enumerate(sel.indices):
-            keep = min(int(state.budget), lengths[h])
-            sinks, recent = _protected_slots(lengths[h], kv.num_slots, keep, sink, window)
-            middle = [s for s in range(kv.num_slots - lengths[h], kv.num_slots) if s not in set(sinks + recent)]
+            keep = min(int(done.state.budget), lengths[h])
+            protected = set(protected_slots(lengths[h], kv.num_slots, keep, sink, window))
+            middle = [s for s in range(kv.num_slots - lengths[h], kv.num_slots) if s not in protected]
             chosen = [s for s in idx.tolist() if s in set(middle)]
             dropped = [s for s in middle if s not in set(chosen)]
-            assert len(chosen) == keep - len(sinks) - len(recent)
+            assert len(chosen) == keep - len(protected)
             if chosen and dropped:
                 worst_kept = min(float(scores[h, s]) for s in chosen)
                 best_dropped = max(float(scores[h, s]) for s in dropped)
-                assert worst_kept >= best_dropped, f"{name}: dropped a better-scored slot"
+                assert worst_kept >= best_dropped, "dropped a better-scored slot"
 
 
-RECOMPRESSING = [name for name in POLICY_NAMES if name not in ("razor", "pod", "full")]
+@pytest.mark.parametrize("case", CASES)
+def test_an_interval_means_recompression(case):
+    policy = make_case(case)
+    if "interval" in policy.accepted_params():
+        assert policy.RECOMPRESSES, "an interval that never triggers a recompression"
 
 
 @pytest.mark.parametrize(("heads", "group", "ragged"), list(itertools.product((1, 3), (1, 3), (False, True))))
-@pytest.mark.parametrize("name", RECOMPRESSING)
-def test_decode_recompression(name, heads, group, ragged, make_policy, fake_request, check_indices):
-    """Decode: recompressions return to the budget and state stays gathered to the kept slots."""
-    policy = make_policy(name)
-    if not policy.RECOMPRESSES:
-        assert not getattr(policy, "interval", None), f"{name} has an interval but never recompresses"
-        return
+@pytest.mark.parametrize("case", RECOMPRESSING)
+def test_decode_recompression(case, heads, group, ragged, fake_request, check_indices):
+    """Decode: recompressions keep the budget of the first compression and every invariant."""
+    policy = make_case(case)
     request = fake_request(40, heads, group, ragged=ragged, seed=heads * 5 + group)
-    prompt_lengths = [request.lengths(layer) for layer in range(request.num_layers)]
-    window = policy.queries_needed()
-    state = RequestState(prompt_len=40)
-    request.apply(policy.select(request.layers(window), state))
-    budget = state.budget
-    recompressions = 0
-    steps_since = 0
-    for step in range(1, 41):
-        request.decode_step()
-        steps_since += 1
-        if not policy.due(state, request.max_live(), steps_since):
-            continue
-        layers = request.layers(window)
-        selections = policy.select(layers, state)
-        assert state.budget == budget, "the per-head budget is fixed at the first compression"
-        for kv, sel in zip(layers, selections):
-            totals = [length + step for length in prompt_lengths[kv.layer]]
-            check_indices(kv, sel)
-            _check_counts(policy, name, kv, sel, state, totals)
-            _check_protected(policy, name, kv, sel, state, totals)
-            _check_memory(kv, sel, state)
-        request.apply(selections)
-        recompressions += 1
-        steps_since = 0
-    assert recompressions >= 1, f"{name} never recompressed in 40 decode steps"
-
-
-PAGED = [*POLICY_NAMES, "snapkv-adaptive"]
-
-
-def _paged_policy(name: str, make_policy):
-    return make_policy("snapkv", heads="adaptive") if name == "snapkv-adaptive" else make_policy(name)
+    budgets = []
+    for done in compressions(policy, request, decode_steps=40):
+        budgets.append(done.state.budget)
+        check_compression(policy, done, check_indices, first=len(budgets) == 1)
+    assert len(budgets) >= 2, "never recompressed in 40 decode steps"
+    assert set(budgets) == {budgets[0]}, "the per-head budget is fixed at the first compression"
 
 
 def _check_on_page_grid(layers, selections, state: RequestState) -> None:
@@ -182,16 +169,16 @@ def _check_on_page_grid(layers, selections, state: RequestState) -> None:
 
 
 @pytest.mark.parametrize(("n", "group"), [(37, 1), (61, 3), (96, 3)])
-@pytest.mark.parametrize("name", PAGED)
-def test_page_rounding_keeps_a_superset_on_the_page_grid(name, n, group, make_policy, fake_request,
+@pytest.mark.parametrize("case", CASES)
+def test_page_rounding_keeps_a_superset_on_the_page_grid(case, n, group, fake_request,
                                                          check_indices):
     """With the engine's page quantum every head keeps ≡ residue (mod bs) slots (or all), a
     superset of what it keeps without rounding, through decode recompressions too."""
     block_size = 8
-    window = _paged_policy(name, make_policy).queries_needed()
-    plain = _paged_policy(name, make_policy).select(fake_request(n, 2, group, seed=n).layers(window),
-                                                   RequestState(prompt_len=n))
-    policy = _paged_policy(name, make_policy)
+    window = make_case(case).queries_needed()
+    plain = make_case(case).select(fake_request(n, 2, group, seed=n).layers(window),
+                                                RequestState(prompt_len=n))
+    policy = make_case(case)
     request = fake_request(n, 2, group, seed=n)
     state = RequestState(prompt_len=n, page_quantum=(block_size, n % block_size))
     layers = request.layers(window)
@@ -199,7 +186,7 @@ def test_page_rounding_keeps_a_superset_on_the_page_grid(name, n, group, make_po
     _check_on_page_grid(layers, selections, state)
     for sel, base in zip(selections, plain):
         for idx, base_idx in zip(sel.indices, base.indices):
-            assert set(base_idx.tolist()) <= set(idx.tolist()), f"{name}: rounding dropped a chosen slot"
+            assert set(base_idx.tolist()) <= set(idx.tolist()), "rounding dropped a chosen slot"
     request.apply(selections)
     steps_since = 0
     for _ in range(30):

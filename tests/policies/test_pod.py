@@ -183,9 +183,8 @@ def test_spec_and_validation():
         POD().select(no_queries, RequestState())
 
 
-def test_with_profile_and_bind_profile():
+def test_bind_profile_fills_the_layer_groups():
     profile = LayerGroupsProfile(model=ModelIdentity("llama", 4, 4, 2, 8, "x"), groups=((0,), (1, 2, 3)))
     policy = POD()
-    assert policy.with_profile(profile).groups == ((0,), (1, 2, 3))
     assert bind_profile(policy, profile).groups == ((0,), (1, 2, 3))
     assert policy.groups is None

@@ -1,6 +1,6 @@
 """Tensor parallelism at the policy level: two simulated ranks (threads), each holding half of the
-KV heads, decide exactly what one rank holding all heads decides, for every policy, through a
-prompt compression and decode recompressions."""
+KV heads, decide exactly what one rank holding all heads decides, for every policy and variant,
+through a prompt compression and decode recompressions."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import threading
 import pytest
 import torch
 
+from tests.policies.conftest import CASES, make_case
 from vllm_kvcomp.policies.base import LayerKV, Ranks, RequestState
-from vllm_kvcomp.policies.registry import POLICY_NAMES
 
 HEADS, GROUP = 4, 2
 
@@ -42,16 +42,6 @@ def _half(kv: LayerKV, rank: int) -> LayerKV:
                    query_positions=kv.query_positions, scale=kv.scale)
 
 
-def _policy(name: str, make_policy):
-    if name == "snapkv-adaptive":
-        return make_policy("snapkv", heads="adaptive")
-    if name == "razor":
-        from vllm_kvcomp.policies.razor import Razor
-
-        return Razor(retrieval_heads=frozenset({(0, 3), (1, 0)}), buffer=8, ratio=0.3)
-    return make_policy(name)
-
-
 def _split_select(policy_factory, layers, states) -> list[list[torch.Tensor]]:
     """Both ranks select in threads; returns the kept positions per layer and global head."""
     results: dict[int, list] = {}
@@ -70,14 +60,15 @@ def _split_select(policy_factory, layers, states) -> list[list[torch.Tensor]]:
     return [results[0][i] + results[1][i] for i in range(len(layers))]
 
 
-@pytest.mark.parametrize("name", [*POLICY_NAMES, "snapkv-adaptive"])
-def test_two_ranks_keep_what_one_rank_keeps(name, make_policy, fake_request):
+@pytest.mark.parametrize("case", CASES)
+def test_two_ranks_keep_what_one_rank_keeps(case, fake_request):
+    label = case[0]
     request = fake_request(150, HEADS, GROUP, num_layers=2, seed=5)
-    one = _policy(name, make_policy)
+    one = make_case(case)
     window = one.queries_needed()
     shared = {"slots": [None, None], "barrier": threading.Barrier(2)}
     ranks = [ThreadRanks(r, shared) for r in (0, 1)]
-    split = [_policy(name, make_policy) for _ in (0, 1)]
+    split = [make_case(case) for _ in (0, 1)]
     whole_state = RequestState(prompt_len=150, page_quantum=(16, 150 % 16))
     states = [RequestState(prompt_len=150, page_quantum=(16, 150 % 16), ranks=ranks[r]) for r in (0, 1)]
     for step in range(40):
@@ -92,5 +83,5 @@ def test_two_ranks_keep_what_one_rank_keeps(name, make_policy, fake_request):
         whole = one.select(layers, whole_state)
         expected = [[kv.positions[h, idx].tolist() for h, idx in enumerate(sel.indices)]
                     for kv, sel in zip(layers, whole)]
-        assert _split_select(split, layers, states) == expected, f"{name}: ranks disagree at step {step}"
+        assert _split_select(split, layers, states) == expected, f"{label}: ranks disagree at step {step}"
         request.apply(whole)

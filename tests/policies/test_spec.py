@@ -6,12 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_kvcomp.calibration.profiles import (
-    LayerGroupsProfile,
-    ModelIdentity,
-    RetrievalHeadsProfile,
-    bind_profile,
-)
+from tests.policies.conftest import TEST_PROFILES
+from vllm_kvcomp.calibration.profiles import bind_profile
 from vllm_kvcomp.params import SpecError
 from vllm_kvcomp.policies.registry import POLICY_NAMES, get_policy_class
 from vllm_kvcomp.spec import MAX_HEADER_LENGTH, CompressionSpec, parse_header
@@ -157,20 +153,11 @@ def test_field_prefix():
     assert err.field == "kv_compression.ratio"
 
 
-TINY_CONFIG = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-               "hidden_size": 64}
-#: the calibration profiles razor and pod need, for a 2-layer model with 2 KV heads
-PROFILES = {
-    "razor": RetrievalHeadsProfile(model=ModelIdentity.from_config(TINY_CONFIG), kv_heads=frozenset({(1, 0)})),
-    "pod": LayerGroupsProfile(model=ModelIdentity.from_config(TINY_CONFIG), groups=((0, 1),)),
-}
-
-
 @pytest.mark.parametrize("name", POLICY_NAMES)
 def test_bare_policy_builds_with_defaults(name):
     policy = CompressionSpec.from_header(name).build_policy()
     if policy.PROFILE is not None:
-        policy = bind_profile(policy, PROFILES[policy.PROFILE])
+        policy = bind_profile(policy, TEST_PROFILES[policy.PROFILE])
     assert isinstance(policy, get_policy_class(name))
     if name != "full":
         assert 0 < policy.ratio <= 1

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.server.conftest import BLOCK_SIZE
 from vllm_kvcomp.cli import main
+
+pytestmark = pytest.mark.server
 
 
 def test_eval_harness_against_the_live_server(server, tmp_path):

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
+from vllm_kvcomp.server import protocol
 from vllm_kvcomp.server.middleware import KVCompressionMiddleware
 from vllm_kvcomp.server.operator_config import OperatorConfig
 from vllm_kvcomp.spec import MAX_HEADER_LENGTH
@@ -286,6 +287,35 @@ def test_uncompressed_requests_report_everything_kept():
     ext = response.json()["usage"]["kv_compression"]
     assert ext["policy"] == "full" and ext["tokens_kept"] == ext["prompt_tokens"] == 40
     assert ext["kept_fraction"] == 1.0 and ext["blocks_freed"] == 0
+
+
+def test_a_request_the_engine_served_uncompressed_says_so_and_why():
+    """The engine could not compress (e.g. the worker found an unsupported backend after loading):
+    its result says ``applied: none`` with the reason; the JSON response's header follows it."""
+    engine = FakeEngine()
+    engine.results["chatcmpl-1"] = {**protocol.uncompressed_result(40), "requested": "policy=snapkv; ratio=0.3",
+                                    "reason": "layer x uses ALiBi"}
+    response = make(Stub(), engine=engine).post(CHAT, json=BASE, headers={HEADER: "snapkv; ratio=0.3"})
+    assert response.headers[APPLIED] == "none"
+    ext = response.json()["usage"]["kv_compression"]
+    assert ext["applied"] == "none" and ext["reason"] == "layer x uses ALiBi"
+    assert ext["requested"] == "policy=snapkv; ratio=0.3" and ext["kept_fraction"] == 1.0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_engines_that_cannot_compress_and_beam_search_apply_none(stream):
+    """Known before the request runs (the engine's config; vLLM's beam search issues its own
+    requests without the spec): the applied header says ``none`` from the first byte, streams too."""
+    reply = sse_reply([{"id": "chatcmpl-1", "choices": []}, "[DONE]"], 10_000) if stream else None
+    spec_engine = FakeEngine()
+    spec_engine.vllm_config = SimpleNamespace(speculative_config={"method": "ngram"})
+    response = make(Stub(reply), engine=spec_engine).post(CHAT, json=BASE, headers={HEADER: "snapkv; ratio=0.3"})
+    assert response.status_code == 200 and response.headers[APPLIED] == "none"
+    beam = {**BASE, "use_beam_search": True, "n": 2}
+    response = make(Stub(reply)).post(CHAT, json=beam, headers={HEADER: "snapkv; ratio=0.3"})
+    assert response.status_code == 200 and response.headers[APPLIED] == "none"
+    response = make(Stub(reply)).post(CHAT, json=BASE, headers={HEADER: "snapkv; ratio=0.3"})
+    assert response.headers[APPLIED] == "policy=snapkv; ratio=0.3"  # a plain engine: what was asked
 
 
 def test_completion_with_two_prompts_sums_their_results():

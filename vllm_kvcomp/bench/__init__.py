@@ -19,8 +19,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "kernels": ("vllm_kvcomp.bench.kernels", "decode-attention kernel bandwidth vs device copy"),
     "kept": ("vllm_kvcomp.bench.kept", "kept fraction of every policy after prefill (HF oracle)"),
     "multiturn": ("vllm_kvcomp.bench.multiturn", "multi-turn chat with prefix caching: hits, TTFT, KV per turn"),
+    "peak": ("vllm_kvcomp.bench.peak", "through the server: peak KV one request holds around its compaction vs full"),
     "pages": ("vllm_kvcomp.bench.pages", "through the server: KV held, admission, decode speed vs full"),
     "prefill": ("vllm_kvcomp.bench.prefill", "KV held during prefill: compress per chunk vs at the end vs full"),
+    "soak": ("vllm_kvcomp.bench.soak", "mixed policies, aborts, preemption for minutes: 5xx, leaks, KV at idle"),
 }
 DEFAULT = "engine"
 PROG = "vllm-kvcomp bench"

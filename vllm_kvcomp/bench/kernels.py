@@ -124,6 +124,19 @@ def timer(device: str, iters: int) -> Measure:
     return run
 
 
+def host_us(fn: Callable[[], object], device: str, calls: int = 50) -> float:
+    """Microseconds the host spends per call launching ``fn`` (the queue is drained before and
+    after; on a GPU a call whose kernels are shorter than this is launch-bound)."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    sync()
+    return elapsed / calls * 1e6
+
+
 def copy_bandwidth(device: str, measure: Measure, gib: float) -> float:
     """GB/s of ``dst.copy_(src)`` on a ``gib``-GiB buffer (read + write counted)."""
     n = int(gib * 2**30)
@@ -257,6 +270,7 @@ def kept_tables(reqs: PagedRequests, kept: float, n: int, bs: int, gen: torch.Ge
 def bench_pages(a: argparse.Namespace, n: int, batch: int, measure: Measure, copy_gbps: float) -> list[Row]:
     """The engine's compressed decode call at every kept fraction vs its uncompressed references."""
     from vllm_kvcomp import kernels
+    from vllm_kvcomp.engine.cache import AttentionVariant
     from vllm_kvcomp.kernels.reference import decode_reference
 
     dev, hk, d, g, bs = a.device, a.kv_heads, a.head_dim, a.group, a.block_size
@@ -267,6 +281,7 @@ def bench_pages(a: argparse.Namespace, n: int, batch: int, measure: Measure, cop
     q_seq = q.view(seqs, g, d)  # one virtual sequence per (request, KV head), its G query heads
     query_start = torch.arange(seqs + 1, device=dev, dtype=torch.int32)
     scale = d**-0.5
+    variant = AttentionVariant(scale)
     rows = []
 
     full_bytes = bytes_decode(a, n, batch)
@@ -290,10 +305,11 @@ def bench_pages(a: argparse.Namespace, n: int, batch: int, measure: Measure, cop
         tables, length = kept_tables(reqs, kept, n, bs, gen)
         lengths = torch.full((seqs,), length, dtype=torch.int32, device=dev)
         nbytes = bytes_decode(a, length, batch)
-        attend = functools.partial(reqs.cache.attend, q_seq, tables, lengths, query_start, scale, None)
+        attend = functools.partial(reqs.cache.attend, q_seq, tables, lengths, query_start, variant, None)
         ms = measure(attend)
         base_ms = base_ms or ms
-        extra = {"vs_kept_1": ms / base_ms, "target": 1.2 * kept, "vs_kernel_full": ms / ms_kernel_full}
+        extra = {"vs_kept_1": ms / base_ms, "target": 1.2 * kept, "vs_kernel_full": ms / ms_kernel_full,
+                 "host_us": host_us(attend, dev)}
         if batch <= CHECK_MAX_BATCH:
             out = attend().float()
             ref, _ = decode_reference(q_seq, reqs.cache.cells, tables, lengths, None, None, scale)
@@ -302,6 +318,12 @@ def bench_pages(a: argparse.Namespace, n: int, batch: int, measure: Measure, cop
         raw = functools.partial(kernels.decode_attention, q_seq, reqs.cache.cells, tables, lengths, scale=scale,
                                 num_splits=a.num_splits)
         rows.append(_row(a, "pages", "kernel only (packed pages)", n, batch, kept, measure(raw), nbytes, copy_gbps))
+    capped = AttentionVariant(scale, 50.0, torch.randn(hk * g, generator=gen, device=dev))
+    tables, length = kept_tables(reqs, a.kept[-1], n, bs, gen)
+    lengths = torch.full((seqs,), length, dtype=torch.int32, device=dev)
+    variant_call = functools.partial(reqs.cache.attend, q_seq, tables, lengths, query_start, capped, None)
+    rows.append(_row(a, "pages", "engine attend, soft-cap + sinks", n, batch, a.kept[-1], measure(variant_call),
+                     bytes_decode(a, length, batch), copy_gbps, host_us=host_us(variant_call, dev)))
     return rows
 
 
@@ -359,10 +381,11 @@ def markdown(rows: list[Row], copy_gbps: float, device: str) -> str:
                 "time vs kept 1.0 = this call / the same call over every page (target <= 1.2 x kept); "
                 "rel err = ||out - ref|| / ||ref|| against the torch reference (float32 accumulation)", "",
                 "| call | N | B | kept | ms | GB/s | % copy | vs kept 1.0 | target | vs kernel uncompressed "
-                "| rel err |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                "| rel err | host µs |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in pages:
             cells = [_fmt(r.extra, key, f) for key, f in
-                     (("vs_kept_1", ".3f"), ("target", ".3f"), ("vs_kernel_full", ".3f"), ("rel_err", ".1e"))]
+                     (("vs_kept_1", ".3f"), ("target", ".3f"), ("vs_kernel_full", ".3f"), ("rel_err", ".1e"),
+                      ("host_us", ".0f"))]
             out.append(f"| {r.what} | {r.context} | {r.batch} | {r.kept:g} | {r.ms:.3f} | {r.gbps:.4g} "
                        f"| {r.pct_copy:.1f}% | {' | '.join(cells)} |")
     compact = [r for r in rows if r.phase == "compact"]

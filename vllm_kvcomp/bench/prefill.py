@@ -23,8 +23,9 @@ import sys
 import time
 
 from vllm_kvcomp.bench.common import module_main, write_report
+from vllm_kvcomp.policies.registry import streaming_policy_names
 
-POLICIES = ("streamingllm", "lagkv", "knorm")
+POLICIES = streaming_policy_names()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,12 +52,14 @@ def _child(args: argparse.Namespace) -> None:
     job = json.loads(args.child)
     from vllm import LLM
 
+    from vllm_kvcomp import vllm_compat
+
     llm = LLM(model=job["model"], dtype="float32", enforce_eager=True, block_size=32,
               num_gpu_blocks_override=job["pool"], max_model_len=job["max_len"], max_num_seqs=4,
               max_num_batched_tokens=job["chunk"], distributed_executor_backend="uni", enable_prefix_caching=False,
               gpu_memory_utilization=0.2, seed=0, kv_transfer_config=kv_transfer_config(long_prompts=job["long"]))
     engine = llm.llm_engine
-    pool = engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    manager = engine.engine_core.engine_core.scheduler.kv_cache_manager
     rng = random.Random(0)
     for n, header in job["requests"]:
         extra = {f"kvcomp_{k}": v for k, v in header.items()} or None
@@ -65,7 +68,8 @@ def _child(args: argparse.Namespace) -> None:
         start, first, peak = time.perf_counter(), None, 0
         while engine.has_unfinished_requests():
             outputs = engine.step()
-            peak = max(peak, pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
+            held = vllm_compat.pool_blocks(manager) - 1 - vllm_compat.free_block_count(manager)
+            peak = max(peak, held)
             if first is None and any(o.outputs and o.outputs[0].token_ids for o in outputs):
                 first = time.perf_counter() - start
         engine.step()

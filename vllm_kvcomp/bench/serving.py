@@ -157,6 +157,23 @@ def gauges(text: str, names: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
+def refusal(model: str | None, header: str | None) -> str | None:
+    """The HTTP 400 a default ``vllm-kvcomp serve`` of ``model`` (None: the bundled model) would
+    answer a request with ``header`` (e.g. razor below its retrieval heads' share), or None."""
+    if header is None:
+        return None
+    from vllm_kvcomp.models import fetch_default_model
+    from vllm_kvcomp.server import protocol
+    from vllm_kvcomp.server.operator_config import OperatorConfig
+
+    config = OperatorConfig.for_server(None, model or str(fetch_default_model()))
+    try:
+        protocol.resolve(config, [header], {})
+    except protocol.RequestError as err:
+        return err.message
+    return None
+
+
 def header_for(policy: str, ratio: float | None, extra: str = "") -> str | None:
     """The request header of a benchmark config (None for full cache)."""
     if policy == "full":

@@ -12,10 +12,12 @@ kernel sees ``num_kv_heads = 1``:
 - :class:`CudaPagedCache`: ``kernels.decode_attention`` (CUDA extension or Triton; the torch
   reference on CPU tensors), a page stores ``[bs, 2D]`` cells.
 
-RazorAttention's compensation token (eq. 5) is merged by log-sum-exp. vLLM's CPU kernel returns
-no LSE, so for the sequences that carry a compensation token the CPU class computes the LSE of
-their kept keys in torch (batched over those sequences only) and merges; the CUDA kernels take
-the token natively. Both are tested against the one reference
+Each layer attends as vLLM's own kernel would for it (:class:`AttentionVariant`: scale, logit
+soft-capping, learned sinks). RazorAttention's compensation token (eq. 5) and sinks are merged by
+log-sum-exp. vLLM's CPU kernel caps logits itself but returns no LSE, so for the sequences that
+carry a compensation token (or every sequence of a layer with sinks: the kernel takes one sink
+vector for all sequences, ours differ per KV head) the CPU class computes the LSE of their kept
+keys in torch (batched) and merges; the CUDA kernels take the token and the sinks natively. Both are tested against the one reference
 (``kernels.reference.decode_attention_reference``) in float64.
 """
 
@@ -29,9 +31,27 @@ import torch
 
 from vllm_kvcomp import vllm_compat
 from vllm_kvcomp.engine.pages import Move, PageGeometry
+from vllm_kvcomp.policies.compensation import soft_cap
 
 Tensors = tuple[torch.Tensor, torch.Tensor]
 FLOAT_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class AttentionVariant:
+    """What one layer's attention computes, as vLLM's kernel for the layer does: the softmax
+    ``scale``, logit soft-capping ``softcap`` (Gemma 2: ``cap · tanh(x / cap)``; 0 = off) and
+    learned ``sinks`` [H_q] float32 (gpt-oss: one logit per query head with a zero value)."""
+
+    scale: float
+    softcap: float = 0.0
+    sinks: torch.Tensor | None = None
+
+    def sequence_sinks(self, num_sequences: int, num_kv_heads: int) -> torch.Tensor | None:
+        """[S, G] sinks of virtual sequences ordered (row, KV head), or None."""
+        if self.sinks is None:
+            return None
+        return self.sinks.view(num_kv_heads, -1).repeat(num_sequences // num_kv_heads, 1)
 
 
 @dataclass(frozen=True)
@@ -39,9 +59,10 @@ class SequenceCompensation:
     """One layer's compensation tokens per virtual sequence, and where they are.
 
     ``keys``/``values`` [S, D], ``counts`` [S] float (0 = no token), on the cache's device;
-    ``groups``: the sequences that have a token, as (indices [C] on the device, T = their query
-    rows, W = pages of the longest), planned on the host by :meth:`plan` so attention reads
-    nothing back."""
+    ``groups``: the sequences whose attention needs a log-sum-exp merge (those that have a token,
+    or all of them in a layer with sinks), as (indices [C] on the device, T = their query rows,
+    W = pages of the longest), planned on the host by :meth:`plan` so attention reads nothing
+    back."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -50,11 +71,13 @@ class SequenceCompensation:
 
     @classmethod
     def plan(cls, keys: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, query_rows: list[int],
-             lengths: torch.Tensor, block_size: int, device: torch.device | str) -> list[SequenceCompensation | None]:
+             lengths: torch.Tensor, block_size: int, device: torch.device | str,
+             every: list[bool] | None = None) -> list[SequenceCompensation | None]:
         """Every layer's tokens from host tensors (two reads in all): keys/values [L, S, D],
-        counts [L, S], ``query_rows`` T per sequence, ``lengths`` [L, S] the sequences' lengths.
-        None for a layer where no sequence has a token."""
-        present = (counts > 0).tolist()
+        counts [L, S], ``query_rows`` T per sequence, ``lengths`` [L, S] the sequences' lengths;
+        ``every[l]``: layer l merges every sequence (it has sinks). None for a layer where no
+        sequence needs a merge."""
+        present = ((counts > 0) | torch.tensor(every or [False] * counts.shape[0]).view(-1, 1)).tolist()
         pages = ((lengths + block_size - 1) // block_size).tolist()
         out: list[SequenceCompensation | None] = []
         for layer, has in enumerate(present):
@@ -128,10 +151,10 @@ class PagedCache(ABC):
 
     @abstractmethod
     def attend(self, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, query_start: torch.Tensor,
-               scale: float, compensation: SequenceCompensation | None) -> torch.Tensor:
+               variant: AttentionVariant, compensation: SequenceCompensation | None) -> torch.Tensor:
         """Causal attention of virtual sequences: q [T, G, D] (sequence s owns query rows
-        ``query_start[s]:query_start[s + 1]``, the last tokens of its ``lengths[s]``), tables
-        [S, W] page ids -> out [T, G, D] in q's dtype."""
+        ``query_start[s]:query_start[s + 1]``, the last tokens of its ``lengths[s]``; sequences
+        ordered (request, KV head)), tables [S, W] page ids -> out [T, G, D] in q's dtype."""
 
 
 class CpuPagedCache(PagedCache):
@@ -171,7 +194,7 @@ class CpuPagedCache(PagedCache):
         self.values[pages, offsets] = values.to(self.dtype)
 
     def attend(self, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, query_start: torch.Tensor,
-               scale: float, compensation: SequenceCompensation | None) -> torch.Tensor:
+               variant: AttentionVariant, compensation: SequenceCompensation | None) -> torch.Tensor:
         q = q.contiguous()
         seq_lens, starts, table = lengths.to(torch.int32), query_start.to(torch.int32), tables.to(torch.int32)
         schedule = vllm_compat.cpu_attention_schedule(
@@ -182,38 +205,44 @@ class CpuPagedCache(PagedCache):
         out = torch.empty_like(q)
         vllm_compat.cpu_paged_attention(
             query=q, key_cache=self.kernel_keys, value_cache=self.kernel_values, output=out, query_start_loc=starts,
-            seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table,
-            softcap=0.0, scheduler_metadata=schedule, s_aux=None,
+            seq_lens=seq_lens, scale=variant.scale, causal=True, alibi_slopes=None, sliding_window=-1,
+            block_table=table, softcap=variant.softcap, scheduler_metadata=schedule, s_aux=None,
         )
         if compensation is not None:
-            self._compensate(out, q, tables, lengths, query_start, scale, compensation)
+            self._merge(out, q, tables, lengths, query_start, variant, compensation)
         return out
 
-    def _compensate(self, out: torch.Tensor, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
-                    query_start: torch.Tensor, scale: float, compensation: SequenceCompensation) -> None:
-        """Merge the compensation token into ``out`` (in place) for the sequences that have one:
-        the LSE of their kept keys is recomputed in torch from their own pages only (one batched
-        matmul over the sequences with the same number of query rows), and the token's share of
-        the softmax is ``sigmoid(comp_lse - lse)``: ``out += share * (v_hat - out)``."""
+    def _merge(self, out: torch.Tensor, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
+               query_start: torch.Tensor, variant: AttentionVariant, compensation: SequenceCompensation) -> None:
+        """Merge the compensation token and the sinks into ``out`` (in place) for the planned
+        sequences: the LSE of their kept keys is recomputed in torch from their own pages only
+        (one batched matmul over the sequences with the same number of query rows, logits capped
+        as the kernel caps them); with the token's and the sink's logits, every part's share of
+        the softmax follows: ``out = w_kept · out + w_token · v_hat`` (a sink's value is zero)."""
         k_hat, v_hat, counts = compensation.keys, compensation.values, compensation.counts
-        bs, d = self.geometry.block_size, self.head_dim
+        bs, d, cap = self.geometry.block_size, self.head_dim, variant.softcap
+        sinks = variant.sequence_sinks(tables.shape[0], self.geometry.num_kv_heads)
         for s, group, width in compensation.groups:
             c, heads = s.numel(), q.shape[1]
             rows = (query_start[s].unsqueeze(1) + torch.arange(group)).flatten()  # [C*T]
-            qs = q[rows].float().view(c, group * heads, d) * scale  # [C, T*G, D]
+            qs = q[rows].float().view(c, group * heads, d) * variant.scale  # [C, T*G, D]
             pages = torch.index_select(self.pages, 0, tables[s, :width].flatten(),
                                        out=self.scratch("comp_pages", (c * width, self.page_elems)))
             keys = pages.view(c, width, 2, d, bs)[:, :, 0].float()  # K^T per page [C, W, D, bs]
-            logits = torch.matmul(qs.unsqueeze(1), keys).view(c, width, group, heads, bs)
+            logits = soft_cap(torch.matmul(qs.unsqueeze(1), keys), cap).view(c, width, group, heads, bs)
             limit = lengths[s].view(-1, 1) - group + torch.arange(group) + 1  # causal: [C, T]
             cell = torch.arange(width * bs).view(1, width, 1, 1, bs)
             logits.masked_fill_(cell >= limit.view(c, 1, group, 1, 1), float("-inf"))
             top = logits.amax((1, 4), keepdim=True)  # finite: a sequence's last query sees >= 1 key
             lse = (logits - top).exp_().sum((1, 4)).log_() + top.view(c, group, heads)  # [C, T, G]
-            comp_lse = torch.bmm(qs, k_hat[s].float().unsqueeze(-1)).view(c, group, heads)
-            share = torch.sigmoid(comp_lse + counts[s].float().log().view(-1, 1, 1) - lse).unsqueeze(-1)
+            comp_logit = soft_cap(torch.bmm(qs, k_hat[s].float().unsqueeze(-1)), cap).view(c, group, heads)
+            parts = [lse, comp_logit + counts[s].float().log().view(-1, 1, 1)]  # log 0 = -inf: no token
+            if sinks is not None:
+                parts.append(sinks[s].float().view(c, 1, heads).expand(-1, group, -1))
+            weights = torch.softmax(torch.stack(parts), dim=0).unsqueeze(-1)  # [parts, C, T, G, 1]
             kept = out[rows].float().view(c, group, heads, d)
-            out[rows] = (kept + share * (v_hat[s].float().view(c, 1, 1, d) - kept)).flatten(0, 1).to(out.dtype)
+            merged = weights[0] * kept + weights[1] * v_hat[s].float().view(c, 1, 1, d)
+            out[rows] = merged.flatten(0, 1).to(out.dtype)
 
 
 class CudaPagedCache(PagedCache):
@@ -254,15 +283,17 @@ class CudaPagedCache(PagedCache):
             rows.index_copy_(0, dst, rows.index_select(0, src))
 
     def attend(self, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, query_start: torch.Tensor,
-               scale: float, compensation: SequenceCompensation | None) -> torch.Tensor:
+               variant: AttentionVariant, compensation: SequenceCompensation | None) -> torch.Tensor:
         """One ``decode_attention`` launch: a sequence with T queries becomes T one-query
         sequences whose lengths end at each query's causal limit."""
         from vllm_kvcomp import kernels
 
+        sinks = variant.sequence_sinks(tables.shape[0], self.geometry.num_kv_heads)  # [S, G]
         if q.shape[0] == tables.shape[0]:  # one query per sequence (decode): no expansion
             comp = None if compensation is None else (
                 compensation.keys.unsqueeze(1), compensation.values.unsqueeze(1), compensation.counts.unsqueeze(1))
-            return kernels.decode_attention(q, self.cells, tables, lengths, compensation=comp, scale=scale)[0]
+            return kernels.decode_attention(q, self.cells, tables, lengths, compensation=comp, scale=variant.scale,
+                                            softcap=variant.softcap, sinks=sinks)[0]
         counts = query_start[1:] - query_start[:-1]
         seq = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts,
                                       output_size=q.shape[0])  # [T] (sized: no read back)
@@ -271,6 +302,7 @@ class CudaPagedCache(PagedCache):
         if compensation is not None:
             comp = tuple(t[seq].unsqueeze(1) for t in (compensation.keys, compensation.values, compensation.counts))
         out, _ = kernels.decode_attention(q, self.cells, tables[seq], lengths[seq] - back, compensation=comp,
-                                          scale=scale)
+                                          scale=variant.scale, softcap=variant.softcap,
+                                          sinks=None if sinks is None else sinks[seq])
         return out
 

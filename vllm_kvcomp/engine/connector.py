@@ -17,9 +17,11 @@ from typing import Any
 import torch
 
 from vllm_kvcomp import vllm_compat
-from vllm_kvcomp.engine.cache import CpuPagedCache, CudaPagedCache, PagedCache
+from vllm_kvcomp.engine import support
+from vllm_kvcomp.engine.cache import AttentionVariant, CpuPagedCache, CudaPagedCache, PagedCache
 from vllm_kvcomp.engine.metadata import StepMetadata, WorkerReport
 from vllm_kvcomp.engine.metrics import KVCompPromMetrics, KVCompStats
+from vllm_kvcomp.engine.plugin import CONNECTOR_NAME, bind_worker
 from vllm_kvcomp.engine.policy_factory import PolicyFactory
 from vllm_kvcomp.engine.scheduler import KVCompScheduler
 from vllm_kvcomp.engine.worker import KVCompWorker
@@ -78,6 +80,24 @@ def paged_cache(
     return CudaPagedCache
 
 
+def attention_variants(layers: dict[str, Any], device: torch.device) -> dict[str, AttentionVariant]:
+    """How each layer attends (:class:`~vllm_kvcomp.engine.cache.AttentionVariant`), as its vLLM
+    kernel does; raises ``NotImplementedError`` naming what cannot be reproduced over packed pages
+    (ALiBi biases count logical distances; a layer reading another layer's cache)."""
+    variants = {}
+    for name, layer in layers.items():
+        attn = vllm_compat.layer_attention(layer)
+        if attn.alibi_slopes is not None:
+            raise NotImplementedError(f"layer {name} uses ALiBi position biases, which vllm-kvcomp does not "
+                                      "apply over packed pages")
+        if attn.kv_sharing_target is not None:
+            raise NotImplementedError(f"layer {name} reads the KV cache of {attn.kv_sharing_target} "
+                                      "(cross-layer KV sharing), which vllm-kvcomp does not compress")
+        sinks = None if attn.sinks is None else attn.sinks.detach().to(device=device, dtype=torch.float32)
+        variants[name] = AttentionVariant(attn.scale, attn.softcap, sinks)
+    return variants
+
+
 def compressible_group(kv_cache_config) -> tuple[int, list[str]] | None:
     """(index, layer names) of the one KV-cache group we compress: plain full attention. Sliding
     window, MLA, Mamba and other kinds of groups stay vLLM's; a model with no such group or with
@@ -89,28 +109,49 @@ def compressible_group(kv_cache_config) -> tuple[int, list[str]] | None:
     return groups[0] if len(groups) == 1 else None
 
 
+def compressed_heads(kv_cache_config, vllm_config) -> int | None:
+    """(layer, KV head) pairs one rank compresses: the compressible group's layers times its KV
+    heads; None under tensor parallelism (a rank's share of retrieval heads differs)."""
+    group = compressible_group(kv_cache_config)
+    if group is None or vllm_config.parallel_config.tensor_parallel_size != 1:
+        return None
+    spec = kv_cache_config.kv_cache_groups[group[0]].kv_cache_spec
+    return len(group[1]) * int(spec.num_kv_heads)
+
+
 class KVCompConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        configured = getattr(vllm_config.kv_transfer_config, "kv_connector", None)
+        if configured != CONNECTOR_NAME:
+            raise ValueError(
+                f"vllm-kvcomp's {CONNECTOR_NAME} must be the engine's only KV connector (kv_connector is "
+                f"{configured!r}): it rewrites block tables and pages that another connector (MultiConnector, "
+                "LMCache, NIXL, offloading) would read or transfer as full-cache blocks. Use it alone."
+            )
         super().__init__(vllm_config, role, kv_cache_config)
         block_size = vllm_config.cache_config.block_size
         self.group = compressible_group(kv_cache_config)
         self.scheduler: KVCompScheduler | None = None
         self.worker: KVCompWorker | None = None
+        unavailable = support.unavailable_reason(vllm_config) or (
+            support.NO_FULL_ATTENTION_GROUP if self.group is None else None)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        factory = PolicyFactory(vllm_config.model_config.model, extra.get("profiles"))
         if role == KVConnectorRole.SCHEDULER:
             chunk = vllm_config.scheduler_config.max_num_batched_tokens
             self.scheduler = KVCompScheduler(block_size=block_size, chunk_tokens=chunk,
                                              group=None if self.group is None else self.group[0],
-                                             enabled=self.group is not None)
+                                             unavailable=unavailable, policy_builder=factory.build,
+                                             num_heads=compressed_heads(kv_cache_config, vllm_config),
+                                             async_scheduling=bool(vllm_config.scheduler_config.async_scheduling))
+            if unavailable is not None:
+                logger.warning("vllm-kvcomp: requests are served uncompressed: %s", unavailable)
         else:
-            if vllm_config.speculative_config is not None:
-                raise ValueError(
-                    "vllm-kvcomp does not support speculative decoding yet (draft models read the full "
-                    "block tables): start vLLM without --speculative-config to use the KVCompConnector"
-                )
-            extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-            factory = PolicyFactory(vllm_config.model_config.model, extra.get("profiles"))
             self.worker = KVCompWorker(block_size=block_size, policy_builder=factory.build,
                                        ranks=vllm_compat.tensor_parallel_ranks())
+            if unavailable is not None:
+                self.worker.disable(unavailable)
+            bind_worker(self.worker)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -118,30 +159,28 @@ class KVCompConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Page the compressible group's caches; other groups' layers stay vLLM's untouched."""
-        if self.group is None:
-            logger.warning("vllm-kvcomp: no single full-attention KV-cache group in this model; "
-                           "requests are served uncompressed")
+        """Page the compressible group's caches; other groups' layers stay vLLM's untouched. What
+        cannot be compressed exactly (backend, layout, attention variant) is served uncompressed,
+        and every compressed request's result says why (the engine keeps serving)."""
+        if self.worker.unavailable is not None:
             return
         names = [name for name in self.group[1] if name in kv_caches]
         caches = {name: kv_caches[name] for name in names}
         layers = vllm_compat.attention_layers(self._vllm_config, names)
-        cache_cls = paged_cache(vllm_compat.platform_kind(), layers, caches,
-                                self._vllm_config.cache_config.block_size)
         index = {name: vllm_compat.layer_index(name) for name in names}
         model_layers = max(vllm_compat.layer_index(name) for name in kv_caches) + 1
-        self.worker.register(caches, index, cache_cls, model_layers)
+        try:
+            cache_cls = paged_cache(vllm_compat.platform_kind(), layers, caches,
+                                    self._vllm_config.cache_config.block_size)
+            variants = attention_variants(layers, next(iter(caches.values())).device)
+            self.worker.register(caches, index, cache_cls, variants, model_layers)
+        except NotImplementedError as err:
+            self.worker.disable(str(err))
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
         """LBHNC: each (layer, block, head) page is one contiguous run of cells (the CPU backend
-        uses it anyway; FlashAttention and Triton take any layout).
-
-        vLLM asks this in the engine core right before it sizes the KV cache, the one point where
-        the operator's ``--allow-prompts-beyond-kv-cache`` can lift its max_model_len check."""
-        extra = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector_extra_config", None) or {}
-        if extra.get("long_prompts"):
-            vllm_compat.allow_max_model_len_beyond_kv_cache()
+        uses it anyway; FlashAttention and Triton take any layout)."""
         return "LBHNC"
 
     @classmethod

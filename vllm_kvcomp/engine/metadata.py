@@ -67,6 +67,8 @@ class WorkerReport(KVConnectorWorkerMetadata):
     copied: dict[str, dict[int, int]] = field(default_factory=dict)
     #: copy-on-compress postponed: req_id -> spares the compaction needs (more than it was given)
     spares_needed: dict[str, int] = field(default_factory=dict)
+    #: the worker cannot compress on this engine (backend, attention variant): why
+    unavailable: str | None = None
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> WorkerReport:
         """One report for all tensor-parallel ranks: a block is free only if every rank freed it;
@@ -90,4 +92,4 @@ class WorkerReport(KVConnectorWorkerMetadata):
         needed = dict(self.spares_needed)
         for rid, n in other.spares_needed.items():
             needed[rid] = max(n, needed.get(rid, n))
-        return WorkerReport(merged, list(events.values()), copied, needed)
+        return WorkerReport(merged, list(events.values()), copied, needed, self.unavailable or other.unavailable)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_kvcomp import vllm_compat
+import vllm_kvcomp.vllm_compat as vllm_compat  # not `from vllm_kvcomp import`: the package imports us
 
 CONNECTOR_NAME = "KVCompConnector"
 CONNECTOR_MODULE = "vllm_kvcomp.engine.connector"
@@ -21,6 +21,15 @@ def register_with_vllm() -> None:
     vllm_compat.register_connector_once(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)
     for name, path in backend_overrides(vllm_compat.platform_kind()).items():
         vllm_compat.register_attention_backend(name, path)
+    vllm_compat.allow_max_model_len_beyond_kv_cache(long_prompts_allowed)
+
+
+def long_prompts_allowed(vllm_config: Any) -> bool:
+    """Whether this engine's kvcomp connector was started with ``long_prompts`` (the opt-in of
+    ``--allow-prompts-beyond-kv-cache``, see :func:`kv_transfer_config`)."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    extra = getattr(transfer, "kv_connector_extra_config", None) or {}
+    return getattr(transfer, "kv_connector", None) == CONNECTOR_NAME and bool(extra.get("long_prompts"))
 
 
 def backend_overrides(platform: str | None) -> dict[str, str]:
@@ -55,7 +64,16 @@ def kv_transfer_config(profiles: dict[str, str] | None = None, long_prompts: boo
     return config
 
 
+_worker: Any = None  # the worker half this process's kvcomp connector built (see bind_worker)
+
+
+def bind_worker(worker: Any) -> None:
+    """Called by the connector's worker half when it is built: the backends attend through it."""
+    global _worker
+    _worker = worker
+
+
 def active_worker():
-    """The worker half of the kvcomp connector in this process, or None when not enabled."""
-    connector = vllm_compat.active_connector()
-    return getattr(connector, "worker", None) if type(connector).__name__ == CONNECTOR_NAME else None
+    """The worker half of the kvcomp connector in this process, or None when KV transfer is off
+    (an engine built later in the same process without the connector never sees a stale one)."""
+    return _worker if _worker is not None and vllm_compat.active_connector() is not None else None

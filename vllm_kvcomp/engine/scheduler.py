@@ -1,4 +1,5 @@
-"""Scheduler half of the kvcomp connector (engine-core process).
+"""Scheduler half of the kvcomp connector (engine-core process); its side of each request's
+lifecycle is in :mod:`~vllm_kvcomp.engine.lifecycle`.
 
 It learns each request's spec from ``sampling_params.extra_args``, tells the worker which rows
 to watch every step, and frees the leading blocks the worker reports as dead — only after the
@@ -16,10 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_kvcomp import vllm_compat
+from vllm_kvcomp.engine import blocks
+from vllm_kvcomp.engine.lifecycle import SpareState
 from vllm_kvcomp.engine.metadata import (
     CompressionEvent,
     ScheduledRequest,
@@ -27,6 +31,7 @@ from vllm_kvcomp.engine.metadata import (
     WorkerReport,
 )
 from vllm_kvcomp.params import SpecError
+from vllm_kvcomp.policies.base import Policy
 from vllm_kvcomp.spec import CompressionSpec
 
 logger = logging.getLogger(__name__)
@@ -45,6 +50,7 @@ class RequestStats:
     spec: CompressionSpec
     prompt_len: int
     peak_tokens: int | None = None  # prefill=stream: tokens' worth of blocks the request holds at most
+    unavailable: str | None = None  # why this engine serves the request uncompressed (None: it compresses)
     compressions: int = 0
     tokens_kept: int | None = None
     kept_max_head: int | None = None
@@ -65,6 +71,12 @@ class RequestStats:
         self.seconds += event.seconds
 
     def as_params(self) -> dict[str, Any]:
+        if self.unavailable is not None:  # what ran, what was asked, and why they differ
+            return {"applied": "none", "policy": "full", "requested": self.spec.to_header(),
+                    "reason": self.unavailable, "prompt_tokens": self.prompt_len, "compressions": 0,
+                    "tokens_kept": self.prompt_len, "kept_max_head": self.prompt_len, "kept_fraction": 1.0,
+                    "tokens_evicted": 0, "blocks_freed": 0, "compression_seconds": 0.0,
+                    "preemptions": self.preemptions}
         return {
             "applied": self.spec.to_header(),
             "policy": self.spec.policy,
@@ -89,12 +101,16 @@ class CopyOnCompress:
     spares: list[Any] = field(default_factory=list)  # vLLM blocks sent to the worker, not yet placed
     held: list[Any] = field(default_factory=list)  # spares the table could not take (freed at the end)
     needed: int = 0  # spares the worker asked for (a postponed compaction)
-    caching_stopped: bool = False
-    settled: bool = False  # the first compaction happened (or was not needed)
+    state: SpareState = SpareState.NONE
 
     def release(self, kv_cache_manager) -> None:
         vllm_compat.release_blocks(kv_cache_manager, self.spares + self.held)
         self.spares, self.held = [], []
+
+
+def _streams(spec: CompressionSpec) -> bool:
+    """Whether the request compresses after every prefill chunk (``prefill=stream``)."""
+    return spec.to_dict().get("prefill") == "stream"
 
 
 @dataclass
@@ -104,7 +120,10 @@ class KVCompScheduler:
     block_size: int
     chunk_tokens: int = 2048  # most prompt tokens one step prefills (max_num_batched_tokens)
     group: int = 0  # the KV-cache group we compress (full attention); others stay vLLM's
-    enabled: bool = True  # False: the model has no group we can compress
+    unavailable: str | None = None  # why this engine cannot compress (None: it can)
+    policy_builder: Callable[[CompressionSpec], Policy] = CompressionSpec.build_policy  # the worker's (profiles)
+    num_heads: int | None = None  # (layer, KV head) pairs a rank compresses; None under tensor parallelism
+    async_scheduling: bool = False  # step t+1 is scheduled before step t's report is read
     kv_cache_manager: Any = None
     requests: dict[str, RequestStats] = field(default_factory=dict)
     freed: dict[str, int] = field(default_factory=dict)  # req_id -> leading columns freed
@@ -130,21 +149,36 @@ class KVCompScheduler:
                          self._pool_tokens())
             vllm_compat.abort_on_arrival(request)
             return
-        if spec is None or not spec.compresses or not self.enabled:
+        if spec is None or not spec.compresses:
+            return
+        if self.unavailable is not None:  # followed only to say so in its result
+            self.requests[request.request_id] = RequestStats(spec=spec, prompt_len=request.num_prompt_tokens,
+                                                             unavailable=self.unavailable)
             return
         self.requests[request.request_id] = RequestStats(spec=spec, prompt_len=request.num_prompt_tokens,
                                                          peak_tokens=peak)
-        if self.copy_on_compress and peak is None:
-            policy = spec.build_policy()
+        if self.copy_on_compress and not _streams(spec):  # compacted once: may share the prefix cache
+            policy = self._policy(request.request_id, spec)
             self.cow[request.request_id] = CopyOnCompress(
-                window=policy.queries_needed(), kept_bound=policy.mean_kept_bound(request.num_prompt_tokens))
+                window=policy.queries_needed(),
+                kept_bound=policy.mean_kept_bound(request.num_prompt_tokens, self.num_heads))
             return
-        # Compaction rewrites this request's blocks in place: keep them out of everyone's prefix
-        # cache (unique salt chains into every block hash) and never read cached prefixes.
+        # Compaction rewrites this request's blocks in place (after every prefill=stream chunk, or
+        # when copy-on-compress is off): keep them out of everyone's prefix cache (unique salt
+        # chains into every block hash) and never read cached prefixes.
         vllm_compat.salt_out_of_prefix_cache(request, f"kvcomp:{request.request_id}")
 
+    def _policy(self, req_id: str, spec: CompressionSpec) -> Policy:
+        """The request's policy as the worker builds it (calibration profile bound); a profile
+        that cannot be loaded is the worker's to report, here the plain policy bounds nothing."""
+        try:
+            return self.policy_builder(spec)
+        except ValueError as err:
+            logger.warning("request %s: %s", req_id, err)
+            return spec.build_policy()
+
     def _pool_tokens(self) -> int:
-        return (self.kv_cache_manager.block_pool.num_gpu_blocks - 1) * self.block_size  # less the null block
+        return blocks.pool_tokens(self.kv_cache_manager, self.block_size)
 
     def _can_ever_fit(self, request, peak_tokens: int | None) -> bool:
         """False for a request that would wait forever: only possible when the operator let
@@ -156,19 +190,34 @@ class KVCompScheduler:
 
     def _peak_tokens(self, spec: CompressionSpec, prompt_len: int) -> int | None:
         """For ``prefill=stream``: what the request holds at most while its prompt is prefilled
-        (kept tokens per head, a page of rounding, one chunk, a page of growth), else None."""
-        if spec.to_dict().get("prefill") != "stream":
+        (kept tokens per head, a page of rounding, one chunk — two under async scheduling, where
+        the next chunk is allocated before the last one's compaction is reported —, a page of
+        growth), else None."""
+        if not _streams(spec):
             return None
         bound = spec.build_policy().streaming_bound(prompt_len)
-        return None if bound is None else bound + self.chunk_tokens + 2 * self.block_size
+        chunks = 2 if self.async_scheduling else 1
+        return None if bound is None else bound + chunks * self.chunk_tokens + 2 * self.block_size
 
     def bind(self, kv_cache_manager) -> None:
         """Start scheduling with vLLM's cache manager: admit streaming requests by their peak."""
         self.kv_cache_manager = kv_cache_manager
-        vllm_compat.admit_by(kv_cache_manager, self.admission_tokens)
-        self.copy_on_compress = self.enabled and vllm_compat.copy_on_compress_supported(kv_cache_manager)
+        vllm_compat.admit_by(kv_cache_manager, self.admission)
+        self.copy_on_compress = self.unavailable is None and blocks.copy_on_compress_supported(kv_cache_manager)
         if self.copy_on_compress:
             vllm_compat.cap_prefix_cache_hits(kv_cache_manager, self.cache_hit_cap)
+
+    def disable(self, reason: str) -> None:
+        """Serve every request uncompressed from now on (the worker cannot compress): each tracked
+        request's result says so; copy-on-compress spares go back."""
+        logger.warning("vllm-kvcomp: requests are served uncompressed: %s", reason)
+        self.unavailable = reason
+        for stats in self.requests.values():
+            stats.unavailable = reason
+        for cow in self.cow.values():
+            cow.release(self.kv_cache_manager)
+        self.cow.clear()
+        self.copy_on_compress = False
 
     def cache_hit_cap(self, request) -> int | None:
         """Most prefix-cache tokens a request may read: a compressed one computes its window itself."""
@@ -176,9 +225,12 @@ class KVCompScheduler:
         stats = self.requests.get(request.request_id)
         return None if cow is None or stats is None else max(stats.prompt_len - cow.window, 0)
 
-    def admission_tokens(self, request) -> int | None:
+    def admission(self, request) -> bool | None:
+        """A ``prefill=stream`` request is admitted when its bounded peak fits (None: vLLM's rule)."""
         stats = self.requests.get(request.request_id)
-        return None if stats is None else stats.peak_tokens
+        if stats is None or stats.peak_tokens is None:
+            return None
+        return blocks.room_for(self.kv_cache_manager, request.request_id, request.num_tokens, stats.peak_tokens)
 
     # ------------------------------------------------------------------ per step
     def build_meta(self, scheduler_output) -> StepMetadata:
@@ -200,7 +252,7 @@ class KVCompScheduler:
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
         for rid, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             stats = self.requests.get(rid)
-            if stats is None:
+            if stats is None or stats.unavailable is not None:
                 continue
             block_ids = vllm_compat.request_block_ids(self.kv_cache_manager, rid, self.group)
             pos = computed[rid]
@@ -214,7 +266,7 @@ class KVCompScheduler:
                 first_slot=block_ids[pos // self.block_size] * self.block_size + pos % self.block_size,
             )
             cow = self.cow.get(rid)
-            if cow is not None and not cow.settled and pos + num_scheduled >= stats.prompt_len:
+            if cow is not None and cow.state is not SpareState.SETTLED and pos + num_scheduled >= stats.prompt_len:
                 self._send_spares(rid, cow, scheduled, pos + num_scheduled)
             meta.requests.append(scheduled)
         return meta
@@ -225,25 +277,27 @@ class KVCompScheduler:
         bound, or the worker's count, asks). If the pool is short, the request's own columns the
         compaction may write leave the prefix cache and it packs in place; if another request
         shares one of them, the worker waits for spares."""
-        if not cow.caching_stopped:
-            vllm_compat.stop_caching_blocks(self.kv_cache_manager, rid)
-            cow.caching_stopped = True
+        if cow.state is SpareState.NONE:
+            vllm_compat.stop_hashing(self.kv_cache_manager, rid)
+            cow.state = SpareState.SENT
         columns = end // self.block_size
         bound = columns if cow.kept_bound is None else min(columns, -(-cow.kept_bound // self.block_size) + 1)
         need = max(bound, cow.needed)
-        more = vllm_compat.new_blocks(self.kv_cache_manager, need - len(cow.spares))
-        if more is None and vllm_compat.make_private(self.kv_cache_manager, rid, columns - need, columns, self.group):
+        more = blocks.new_blocks(self.kv_cache_manager, need - len(cow.spares))
+        if more is None and blocks.make_private(self.kv_cache_manager, rid, columns - need, columns, self.group):
             cow.release(self.kv_cache_manager)
-            cow.settled = True  # in place, as without prefix caching
+            cow.state = SpareState.SETTLED  # in place, as without prefix caching
             return
         cow.spares.extend(more or [])
         scheduled.copy_on_compress = True
-        scheduled.spares = [block.block_id for block in cow.spares]
+        scheduled.spares = [vllm_compat.block_id(block) for block in cow.spares]
 
     # ------------------------------------------------------------------ worker confirmations
     def on_worker_report(self, report: WorkerReport | None) -> None:
         if report is None:
             return
+        if report.unavailable is not None and self.unavailable is None:
+            self.disable(report.unavailable)
         for rid, needed in report.spares_needed.items():
             if rid in self.cow:
                 self.cow[rid].needed = needed
@@ -270,16 +324,17 @@ class KVCompScheduler:
         prompt blocks there (released, still cached); unused spares go back. If some rank still
         reads those columns in place (it kept everything), the spares are held to the end."""
         cow = self.cow.get(rid)
-        if cow is None or cow.settled or not vllm_compat.holds_blocks(self.kv_cache_manager, rid, self.group):
+        if cow is None or cow.state is SpareState.SETTLED or not vllm_compat.holds_blocks(
+                self.kv_cache_manager, rid, self.group):
             return
-        cow.settled = True
-        by_id = {block.block_id: block for block in cow.spares}
+        cow.state = SpareState.SETTLED
+        by_id = {vllm_compat.block_id(block): block for block in cow.spares}
         used = {col: by_id[block] for col, block in columns.items()}
         if used and freeable < min(used):
             cow.held = list(used.values())
         else:
-            vllm_compat.install_blocks(self.kv_cache_manager, rid, used, self.group)
-        cow.spares = [block for block in cow.spares if block.block_id not in set(columns.values())]
+            blocks.install_blocks(self.kv_cache_manager, rid, used, self.group)
+        cow.spares = [block for block in cow.spares if vllm_compat.block_id(block) not in set(columns.values())]
         vllm_compat.release_blocks(self.kv_cache_manager, cow.spares)
         cow.spares = []
 
@@ -305,8 +360,8 @@ class KVCompScheduler:
     def gauges(self) -> dict[str, int]:
         """Blocks freed early, held, and that would be held uncompressed, over running tracked requests."""
         held = uncompressed = 0
-        for rid in self.requests:
-            if vllm_compat.holds_blocks(self.kv_cache_manager, rid, self.group):
+        for rid, stats in self.requests.items():
+            if stats.unavailable is None and vllm_compat.holds_blocks(self.kv_cache_manager, rid, self.group):
                 columns = len(vllm_compat.request_block_ids(self.kv_cache_manager, rid, self.group))
                 uncompressed += columns
                 held += columns - self.freed.get(rid, 0)

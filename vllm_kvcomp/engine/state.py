@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm_kvcomp.engine.lifecycle import Lifecycle
 from vllm_kvcomp.engine.pages import RequestPages
 from vllm_kvcomp.policies.base import Compensation, Policy, RequestState
 from vllm_kvcomp.spec import CompressionSpec
@@ -39,13 +40,7 @@ class CompressedRequest:
     policy_state: RequestState = field(default_factory=RequestState)
     windows: list[QueryWindow] = field(default_factory=list)
     compensation: list[Compensation | None] = field(default_factory=list)  # per layer
-    steps_since: int = 0  # decode forwards since the last compression
-    prompt_done: bool = False  # compressed at the end of the prompt (decode recompressions follow)
-    prompt_end: int | None = None  # the prompt is in the cache up to here, its compression pending
-    #: copy-on-compress: column -> spare block the first compaction packed into (the scheduler's
-    #: block table says so too once it has processed the report; until then this is the truth)
-    block_override: dict[int, int] = field(default_factory=dict)
-    spares_needed: int = 0  # copy-on-compress postponed: wait until this many spares come
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)  # phase, pending compression point, spares
 
     @property
     def compressed(self) -> bool:

@@ -1,10 +1,14 @@
 """Worker half of the kvcomp connector: window capture, attention over packed pages, compaction.
 
+Each request's state moves through :mod:`~vllm_kvcomp.engine.lifecycle` (the diagram is there).
+
 Per step: ``bind`` receives the scheduler's :class:`StepMetadata`; every attention layer calls
 :meth:`KVCompWorker.after_attention` (from the backend subclass) to capture window queries and
 to attend the rows of compressed requests over their packed pages (one kernel call per layer);
-``finish_step`` (from ``wait_for_save``, after the whole forward) runs the policies and packs
-the kept tokens. The platform only enters through the :class:`PagedCache` of the KV buffer.
+``finish_step`` (from ``wait_for_save``, after the whole forward) moves the lifecycles on: a
+completed prompt is compressed when the next step binds, ``prefill=stream`` chunks and due decode
+recompressions right away. The platform only enters through the :class:`PagedCache` of the KV
+buffer.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kvcomp.engine.cache import PagedCache, SequenceCompensation
+from vllm_kvcomp.engine.cache import AttentionVariant, PagedCache, SequenceCompensation
+from vllm_kvcomp.engine.lifecycle import Phase
 from vllm_kvcomp.engine.metadata import (
     CompressionEvent,
     ScheduledRequest,
@@ -72,9 +77,10 @@ class KVCompWorker:
         self._slot_to_req: dict[int, str] = {}
         self._rows: list[Row] | None = None
         self._batch: PagedBatch | None = None
-        self.step_cache: dict[int, object] = {}  # backend-derived per-step objects, e.g. trimmed metadata
+        self.trimmed: list[tuple[object, object]] = []  # this step's (vLLM metadata, its trimmed copy)
         self._report = WorkerReport()
-        self.scale: float | None = None
+        self.variants: list[AttentionVariant] = []  # per compressed layer, as vLLM's kernel attends it
+        self.unavailable: str | None = None  # this engine cannot compress (told to the scheduler)
 
     # ------------------------------------------------------------------ setup
     def register(
@@ -82,17 +88,21 @@ class KVCompWorker:
         kv_caches: dict[str, torch.Tensor],
         layer_index: dict[str, int],
         cache_cls: Callable[[list[torch.Tensor]], PagedCache],
+        variants: dict[str, AttentionVariant],
         num_model_layers: int | None = None,
     ) -> None:
         """Page the compressed layers' caches with ``cache_cls`` (the platform's :class:`PagedCache`).
 
         ``layer_index`` gives each cache's model layer (policies and calibration profiles count
-        layers of the model, of which a hybrid model compresses only some)."""
+        layers of the model, of which a hybrid model compresses only some); ``variants`` how each
+        layer attends (scale, soft-capping, sinks), read once from its vLLM attention impl."""
         order = sorted(kv_caches, key=lambda n: layer_index[n])
         self.layer_index = {name: i for i, name in enumerate(order)}
         self.model_layers = [layer_index[name] for name in order]
         self.num_model_layers = num_model_layers or max(self.model_layers) + 1
         self.cache = cache_cls([kv_caches[name] for name in order])
+        self.variants = [variants[name] for name in order]
+        self._report = WorkerReport(unavailable=self.unavailable)
 
     @property
     def num_layers(self) -> int:
@@ -102,27 +112,36 @@ class KVCompWorker:
     def num_kv_heads(self) -> int:
         return self.cache.geometry.num_kv_heads
 
+    def disable(self, reason: str) -> None:
+        """Compress nothing on this engine; every report tells the scheduler why."""
+        logger.warning("vllm-kvcomp: compression is unavailable on this engine: %s", reason)
+        self.unavailable = reason
+        self.requests.clear()
+        self.clear_step()
+
     # ------------------------------------------------------------------ per step
     def bind(self, meta: StepMetadata) -> None:
+        if self.unavailable is not None:
+            return
         for rid in meta.dropped:
             self.requests.pop(rid, None)
         self.step = {r.req_id: r for r in meta.requests}
         self._slot_to_req = {r.first_slot: r.req_id for r in meta.requests}
         self._rows = None
         self._batch = None
-        self.step_cache = {}
+        self.trimmed = []
         for r in meta.requests:
             if r.req_id not in self.requests:
                 self.requests[r.req_id] = self._new_state(r)
             state = self.requests[r.req_id]
-            if state.block_override:
-                r.block_ids = [state.block_override.get(col, block) for col, block in enumerate(r.block_ids)]
+            life = state.lifecycle
+            if life.block_override:
+                r.block_ids = [life.block_override.get(col, block) for col, block in enumerate(r.block_ids)]
             # The prompt-end compression runs here, before this step's forward, not after the
             # forward that completed the prompt: the first token leaves first (TTFT), and the
             # next token attends the compressed cache exactly as it would have.
-            due = state.prompt_end is not None and not self._waits_for_spares(state, r)
-            if due and self._compress(r.req_id, state, r, state.prompt_end, decode=False):
-                state.prompt_done, state.prompt_end = True, None
+            if life.compression_pending and not self._waits_for_spares(state, r):
+                self._compress(r.req_id, state, r, life.prompt_end, decode=False)
 
     def _new_state(self, r: ScheduledRequest) -> CompressedRequest:
         """State for a new request; a spec that cannot be built (e.g. a missing calibration
@@ -165,12 +184,11 @@ class KVCompWorker:
 
     # ------------------------------------------------------------------ attention
     def after_attention(self, layer_name: str, query: torch.Tensor, output: torch.Tensor,
-                        query_start_loc: torch.Tensor, slot_mapping: torch.Tensor, scale: float) -> None:
+                        query_start_loc: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Capture window queries and attend compressed rows (query/output [T, H_q, D])."""
         layer = self.layer_index.get(layer_name)
         if not self.step or layer is None:  # another KV-cache group's layer (e.g. sliding window)
             return
-        self.scale = scale
         rows = self.tracked_rows(query_start_loc, slot_mapping)
         for row in rows:
             window = self.requests[row.req_id].windows[layer]
@@ -184,7 +202,7 @@ class KVCompWorker:
             group = query.shape[1] // self.num_kv_heads
             flat_q, flat_out = query.reshape(-1, group, query.shape[2]), output.view(-1, group, output.shape[2])
             out = self.cache.attend(flat_q[batch.gather], batch.tables[layer], batch.lengths[layer],
-                                    batch.query_start, scale, batch.compensation[layer])
+                                    batch.query_start, self.variants[layer], batch.compensation[layer])
             flat_out[batch.gather] = out.to(output.dtype)
 
     def _paged_batch(self, rows: list[Row]) -> PagedBatch:
@@ -217,8 +235,10 @@ class KVCompWorker:
 
     def _compensation(self, requests: list[CompressedRequest], query_rows: list[int],
                       lengths: torch.Tensor) -> list[SequenceCompensation | None]:
-        """Per layer, the sequences' compensation tokens (count 0 = none); None where no row has one."""
-        if all(c is None for state in requests for c in state.compensation):
+        """Per layer, the sequences' compensation tokens (count 0 = none) and which need a merge;
+        None where no sequence does (no token, no sinks)."""
+        every = [v.sinks is not None for v in self.variants]
+        if not any(every) and all(c is None for state in requests for c in state.compensation):
             return [None] * self.num_layers
         shape = (self.num_layers, len(requests), self.num_kv_heads)
         k_hat, counts = torch.zeros(*shape, self.cache.head_dim), torch.zeros(shape)
@@ -228,7 +248,7 @@ class KVCompWorker:
                 if comp is not None:
                     k_hat[layer, r], v_hat[layer, r], counts[layer, r] = comp.keys, comp.values, comp.counts
         return SequenceCompensation.plan(k_hat.flatten(1, 2), v_hat.flatten(1, 2), counts.flatten(1), query_rows,
-                                         lengths, self.block_size, self.cache.device)
+                                         lengths, self.block_size, self.cache.device, every)
 
     # ------------------------------------------------------------------ after the forward
     def finish_step(self) -> None:
@@ -240,19 +260,19 @@ class KVCompWorker:
             if state is None or not state.spec.compresses:
                 continue
             end = sched.num_computed + sched.num_scheduled
-            policy = state.policy
+            policy, life = state.policy, state.lifecycle
             live = int(self.ranks.reduce(int(state.pages.lengths(end).max()), max))  # over every rank's heads
-            if not state.prompt_done:
+            if life.phase is not Phase.DECODE:
                 if end >= sched.prompt_len:
-                    state.prompt_end = end  # compressed when the next step binds (see bind)
+                    life.prompt_complete(end)  # compressed when the next step binds (see bind)
                 elif policy.prefill == "stream":
                     if state.policy_state.budget is None:  # the whole prompt's, not this chunk's
                         state.policy_state.budget = policy.prefill_budget(sched.prompt_len)
                     if policy.stream_due(state.policy_state, live):
                         self._compress(rid, state, sched, end, decode=False)
                 continue
-            state.steps_since += 1
-            if policy.RECOMPRESSES and policy.due(state.policy_state, live, state.steps_since):
+            life.decoded()
+            if policy.RECOMPRESSES and policy.due(state.policy_state, live, life.steps_since):
                 self._compress(rid, state, sched, end, decode=True)
 
     def _layer_inputs(self, state: CompressedRequest, block_ids: torch.Tensor, end: int) -> list[LayerKV]:
@@ -282,7 +302,7 @@ class KVCompWorker:
                 keys=full_k[layer, :, n - width :].cpu(), values=full_v[layer, :, n - width :].cpu(),
                 layer=self.model_layers[layer], num_layers=self.num_model_layers, lengths=lengths[layer],
                 positions=positions, queries=queries,
-                query_positions=window.positions, scale=self.scale,
+                query_positions=window.positions, scale=self.variants[layer].scale,
             ))
         return inputs
 
@@ -294,11 +314,12 @@ class KVCompWorker:
 
     def _waits_for_spares(self, state: CompressedRequest, sched: ScheduledRequest) -> bool:
         """A postponed copy-on-compress compaction waits until the scheduler sends enough spares."""
-        return self._copies(state, sched) and len(sched.spares) < state.spares_needed
+        return self._copies(state, sched) and len(sched.spares) < state.lifecycle.spares_needed
 
-    def _compress(self, rid: str, state: CompressedRequest, sched: ScheduledRequest, end: int, decode: bool) -> bool:
-        """Select and pack; False if postponed (copy-on-compress with too few spares: the policy
-        state is rolled back and the scheduler told how many spares to send)."""
+    def _compress(self, rid: str, state: CompressedRequest, sched: ScheduledRequest, end: int, decode: bool) -> None:
+        """Select and pack, and move the lifecycle on; postponed instead (the lifecycle waits for
+        spares) when copy-on-compress got too few spares: the policy state is rolled back and the
+        scheduler told how many to send."""
         started = time.perf_counter()
         copies = self._copies(state, sched)
         snapshot = copy.deepcopy(state.policy_state) if copies else None
@@ -318,8 +339,9 @@ class KVCompWorker:
             needed = int(self.ranks.reduce(mine, max))  # every rank postpones, or none
             if needed > len(sched.spares):
                 state.policy_state = snapshot
-                state.spares_needed = self._report.spares_needed[rid] = needed
-                return False
+                state.lifecycle.await_spares(needed)
+                self._report.spares_needed[rid] = needed
+                return
             destination = sched.spares[len(sched.spares) - mine :]  # last spare = last column
             growth = end // self.block_size
             columns = {growth - mine + i: block for i, block in enumerate(destination)}
@@ -331,15 +353,16 @@ class KVCompWorker:
                 logger.error("request %s left uncompressed: %s", rid, err)
                 state.spec = CompressionSpec()
                 self._report.copied[rid] = {}
-                return True
+                state.lifecycle.compressed()
+                return
             self.cache.move(move)
             state.pages = pages
-            state.block_override.update(columns)
+            state.lifecycle.block_override.update(columns)
         self._report.freeable_blocks[rid] = state.pages.first_live_col  # 0: natural layout (for other ranks)
         for layer, comp in enumerate(compensations):
             if comp is not None:  # the policy folds earlier entries in if it wants
                 state.compensation[layer] = comp
-        state.steps_since = 0
+        state.lifecycle.compressed()
         state.policy_state.compressions += 1
         self._report.events.append(CompressionEvent(
             req_id=rid, policy=state.spec.policy, tokens_before=int(before.max()), tokens_after=int(after.max()),
@@ -347,11 +370,11 @@ class KVCompWorker:
             num_tokens=end,
             seconds=time.perf_counter() - started, decode=decode,
         ))
-        return True
 
     def take_report(self) -> WorkerReport | None:
-        report, self._report = self._report, WorkerReport()
-        if not (report.freeable_blocks or report.events or report.copied or report.spares_needed):
+        report, self._report = self._report, WorkerReport(unavailable=self.unavailable)
+        if not (report.freeable_blocks or report.events or report.copied or report.spares_needed
+                or report.unavailable):
             return None
         return report
 
@@ -360,4 +383,4 @@ class KVCompWorker:
         self._slot_to_req = {}
         self._rows = None
         self._batch = None
-        self.step_cache = {}
+        self.trimmed = []

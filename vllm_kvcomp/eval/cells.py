@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_kvcomp.eval.stats import wilson
-from vllm_kvcomp.policies.registry import POLICY_NAMES
+from vllm_kvcomp.policies.registry import policy_names
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,8 @@ def condition_of(record: dict[str, Any]) -> str:
 
 def policy_rank(policy: str) -> int:
     """Registry order (``full`` first); unknown names last."""
-    base = policy.split(":", 1)[0]
-    return POLICY_NAMES.index(base) if base in POLICY_NAMES else len(POLICY_NAMES)
+    base, names = policy.split(":", 1)[0], policy_names()
+    return names.index(base) if base in names else len(names)
 
 
 def format_length(tokens: int) -> str:

@@ -24,7 +24,7 @@ from vllm_kvcomp.eval.runner import Condition, conditions
 from vllm_kvcomp.eval.stats import wilson
 
 if TYPE_CHECKING:
-    from vllm_kvcomp.eval.report import Row
+    from vllm_kvcomp.eval.cells import Row
 
 Kind = Literal["better", "no_worse"]
 
@@ -56,7 +56,7 @@ class Claim:
 
 #: Razor at about 3x on the bundled model at 2K: 24 of 90 KV heads keep everything, the rest
 #: keep 4 sinks + ceil(0.07 N) recent + the compensation token, on 128-token pages (~0.32 held).
-RAZOR_3X = "razor:buffer=64:ratio=0.07"
+RAZOR_3X = "razor:buffer=64:exact=1:ratio=0.07"  # the paper's rule (the powered run's "razor:buffer=64:ratio=0.07")
 #: SnapKV holding the same ~0.32 of the cache at 2K (its 0.3 rounds up to the page grid).
 SNAPKV_3X = "snapkv:ratio=0.3"
 #: The entropy policy with every layer at the mean budget: the same selection, uniform budgets.

@@ -1,9 +1,9 @@
 """The overview table of docs/policies.md, generated from the policy registry so it cannot drift.
 
-Parameters, defaults and ranges come from each class (:meth:`Policy.accepted_params` and its
-dataclass defaults), calibration from ``PROFILE``, prefill streaming from ``STREAMS``; what a
-policy keeps and its paper are written here, one entry per registry name (a new policy without
-one fails ``tests/eval/test_policy_table.py``). The quality column is measured: from a results
+Every cell but the quality column comes from the policy's class: what it keeps (``KEEPS``), its
+paper (``PAPER``), parameters, defaults and ranges (:meth:`Policy.accepted_params` and its
+dataclass defaults; ``IMPLICIT_DEFAULTS`` for a default that ``None`` stands for), calibration
+(``PROFILE``), prefill streaming (``STREAMS``). The quality column is measured: from a results
 JSONL (``--results``) or kept as it stands in the document.
 
     python3 -m vllm_kvcomp.eval.policy_table --write docs/policies.md \\
@@ -20,41 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from vllm_kvcomp.eval.stats import wilson
-from vllm_kvcomp.policies.registry import POLICY_NAMES, get_policy_class
+from vllm_kvcomp.policies.registry import get_policy_class, policy_names
 
 START = "<!-- policy-table:start (generated: python3 -m vllm_kvcomp.eval.policy_table) -->"
 END = "<!-- policy-table:end -->"
 PENDING = "pending (issue #17 run)"
-
-KEEPS: dict[str, str] = {
-    "full": "everything",
-    "streamingllm": "first `sink` + most recent tokens",
-    "snapkv": "tokens the last `window` queries attend to most (pooled) + that window",
-    "h2o": "heaviest accumulated attention + recent `window` (recompresses)",
-    "knorm": "keys with the lowest L2 norm (+ optional sink/window)",
-    "sagekv": "sink B/4 + union of per-query-head top-k of the last token + recent (recompresses)",
-    "lagkv": "per `lag` partition, the top r·L by lag-relative K/V spread; sink + last partition",
-    "entropy": "layer budgets ∝ attention entropy; one shared top-k set per layer + recent",
-    "razor": "retrieval heads: everything; others: sink + recent + 1 compensation token",
-    "pod": "per layer group, proximal (sink + recent) + distant tokens ranked by the group's "
-           "lowest layer",
-}
-PAPERS: dict[str, str] = {
-    "full": "–",
-    "streamingllm": "Xiao et al. 2023",
-    "snapkv": "Li et al. 2024",
-    "h2o": "Zhang et al. 2023",
-    "knorm": "Devoto et al. 2024",
-    "sagekv": "Wang et al. 2025 (paper 001)",
-    "lagkv": "paper 000 (2025)",
-    "entropy": "paper 002",
-    "razor": "paper 003",
-    "pod": "paper 004",
-}
-
-
-#: defaults that ``None`` stands for, in words
-IMPLICIT: dict[tuple[str, str], str] = {("sagekv", "sink"): "B/4"}
 
 
 def _text(value: Any) -> str:
@@ -83,7 +53,7 @@ def parameters(name: str) -> str:
     defaults = {f.name: f.default for f in fields(cls) if f.default is not MISSING}
     accepted = cls.accepted_params()
     keys = [k for k in accepted if k != "prefill"] + [k for k in accepted if k == "prefill"]
-    parts = [f"`{k}`={IMPLICIT.get((name, k)) or _text(defaults.get(k))} ({span(accepted[k])})"
+    parts = [f"`{k}`={cls.IMPLICIT_DEFAULTS.get(k) or _text(defaults.get(k))} ({span(accepted[k])})"
              for k in keys]
     return "; ".join(parts) or "–"
 
@@ -91,8 +61,8 @@ def parameters(name: str) -> str:
 def row(name: str, quality: str) -> str:
     cls = get_policy_class(name)
     calibration = f"yes (`{cls.PROFILE}` profile)" if cls.PROFILE else "no"
-    streams = "yes" if getattr(cls, "STREAMS", False) else "no"
-    return (f"| `{name}` | {KEEPS[name]} | {parameters(name)} | {PAPERS[name]} | {calibration} | "
+    streams = "yes" if cls.STREAMS else "no"
+    return (f"| `{name}` | {cls.KEEPS} | {parameters(name)} | {cls.PAPER} | {calibration} | "
             f"{streams} | {quality} |")
 
 
@@ -102,7 +72,7 @@ def table(quality: Mapping[str, str] | None = None) -> str:
     lines = [START, "| policy | keeps | parameters: default (range) | paper | calibration | "
              "streams during prefill | quality at 0.25 (2K, all tasks, 95% CI) |",
              "|---|---|---|---|---|---|---|"]
-    lines += [row(name, quality.get(name, PENDING)) for name in POLICY_NAMES]
+    lines += [row(name, quality.get(name, PENDING)) for name in policy_names()]
     return "\n".join([*lines, END])
 
 

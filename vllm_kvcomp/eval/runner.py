@@ -25,7 +25,7 @@ from vllm_kvcomp.eval.scoring import score_sample
 from vllm_kvcomp.eval.tasks import TaskContext, generate, plan
 from vllm_kvcomp.eval.tasks.base import Sample, sample_uid
 from vllm_kvcomp.params import SpecError
-from vllm_kvcomp.policies.registry import POLICY_NAMES, get_policy_class
+from vllm_kvcomp.policies.registry import get_policy_class, policy_names
 
 HEADER = "X-KV-Compression"
 APPLIED_HEADER = "X-KV-Compression-Applied"
@@ -74,8 +74,8 @@ def parse_condition(text: str) -> tuple[str, float | None, tuple[Setting, ...]]:
     """
     name, *parts = [p.strip() for p in text.strip().split(":")]
     name = "full" if name.lower() == "none" else name.lower()
-    if name not in POLICY_NAMES:
-        raise ValueError(f"unknown policy {text!r} (allowed: {', '.join(POLICY_NAMES)})")
+    if name not in policy_names():
+        raise ValueError(f"unknown policy {text!r} (allowed: {', '.join(policy_names())})")
     cls = get_policy_class(name)
     accepted = cls.accepted_params()
     defaults = {f.name: f.default for f in fields(cls)}

@@ -84,6 +84,8 @@ def decode_attention(
     scale: float | None = None,
     num_splits: int | None = None,
     backend: str | None = None,
+    softcap: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Decode attention of q [B, H_q, D] (one token per request, GQA: query head i reads KV head
     i // (H_q / H_kv)) over each head's slots ``[start[b, h], N_b)`` (start [B], [B, H_kv] or
@@ -91,15 +93,19 @@ def decode_attention(
     counts [B, H_kv])`` of weight N_d·exp(scale·q·k̂) (counts 0 = off). Returns out [B, H_q, D]
     (q's dtype) and lse [B, H_q] float32, natural log (-inf when nothing is attended), ready for
     ``merge_attn_states`` (transpose to [H, T]). ``num_splits`` fixes the GPU key split count.
+    The layer's variant as vLLM's kernels take it: ``softcap`` caps every logit (0 = off),
+    ``sinks`` [H_q] or [B, H_q] are learned sink logits with a zero value (in the LSE). The CUDA
+    extension supports neither.
     """
     batch, _, d = q.shape
     hk = kv_cache.shape[2]
     scale = d**-0.5 if scale is None else scale
     start_bh = head_starts(start, batch, hk, q.device)
     bt, sl = _i32(block_table), _i32(seq_lens)
-    which = resolve_backend("decode_attention", q.device, backend, _cuda_supports(q, kv_cache))
+    plain = not softcap and sinks is None
+    which = resolve_backend("decode_attention", q.device, backend, plain and _cuda_supports(q, kv_cache))
     if which == "torch":
-        out, lse = decode_reference(q, kv_cache, bt, sl, start_bh, compensation, scale)
+        out, lse = decode_reference(q, kv_cache, bt, sl, start_bh, compensation, scale, softcap, sinks)
         return out, lse.float()
     if num_splits is None:
         num_splits = _default_splits(q.device, batch * hk)
@@ -109,7 +115,8 @@ def decode_attention(
     if which == "triton":
         from vllm_kvcomp.kernels.triton_jit.decode import decode_attention as triton_decode
 
-        return triton_decode(q, kv_cache, bt, sl, start_bh, k_hat, v_hat, counts, scale, num_splits)
+        return triton_decode(q, kv_cache, bt, sl, start_bh, k_hat, v_hat, counts, scale, num_splits,
+                             softcap=softcap, sinks=sinks)
     return _cuda_decode(q, kv_cache, bt, sl, start_bh, (k_hat, v_hat, counts), scale, num_splits)
 
 

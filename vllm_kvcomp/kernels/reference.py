@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from vllm_kvcomp.policies.compensation import attention_with_lse, compensation_lse, merge_partials
+from vllm_kvcomp.policies.compensation import (
+    attention_with_lse,
+    compensation_lse,
+    merge_partials,
+    with_sinks,
+)
 
 Compensation = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -67,6 +72,8 @@ def decode_reference(
     start: torch.Tensor | int | None = None,
     compensation: Compensation | None = None,
     scale: float | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of q [B, H_q, D] over each KV head's slots ``[start[b, h], N_b)``.
 
@@ -74,7 +81,8 @@ def decode_reference(
     block_table [B, max_blocks], seq_lens [B], start None/int/[B]/[B, H_kv]; query head i reads
     KV head i // (H_q / H_kv). ``compensation = (k_hat [B, H_kv, D], v_hat [B, H_kv, D],
     counts [B, H_kv])`` adds a token of weight N_d·exp(scale·q·k̂) and value v̂ (counts 0 = off).
-    Computes in float32 (float64 when q is float64). Returns out [B, H_q, D] in q's dtype and
+    ``softcap`` caps every logit, the token's too (0 = off); ``sinks`` [H_q] or [B, H_q] are
+    learned sink logits with a zero value (counted in the LSE). Computes in float32 (float64 when q is float64). Returns out [B, H_q, D] in q's dtype and
     lse [B, H_q] (natural log, -inf when nothing is attended; float32, float64 for float64 q).
     """
     batch, hq, d = q.shape
@@ -89,11 +97,14 @@ def decode_reference(
     # tokens = the G query heads of a KV head; heads = (request, KV head) pairs
     qg = q.to(acc).reshape(batch * hk, group, d).transpose(0, 1)  # [G, B·H_kv, D]
     mask = visible.unsqueeze(1).expand(-1, group, -1)  # [B·H_kv, G, N]
-    out, lse = attention_with_lse(qg, keys.to(acc), values.to(acc), scale, mask)
+    out, lse = attention_with_lse(qg, keys.to(acc), values.to(acc), scale, mask, softcap)
     if compensation is not None:
         k_hat, v_hat, counts = (t.to(device=q.device, dtype=acc) for t in compensation)
-        c_lse = compensation_lse(qg, k_hat.reshape(batch * hk, d), counts.reshape(-1), scale)
+        c_lse = compensation_lse(qg, k_hat.reshape(batch * hk, d), counts.reshape(-1), scale, softcap)
         c_out = v_hat.reshape(1, batch * hk, d).expand(group, -1, -1)
         out, lse = merge_partials(out, lse, c_out, c_lse)
+    if sinks is not None:  # [G, B·H_kv] in the folded layout
+        per_row = sinks.to(device=q.device, dtype=acc).expand(batch, hq)
+        out, lse = with_sinks(out, lse, per_row.reshape(batch * hk, group).transpose(0, 1))
     out = out.transpose(0, 1).reshape(batch, hq, d).to(q.dtype)
     return out, lse.transpose(0, 1).reshape(batch, hq)

@@ -97,9 +97,6 @@ class Selection:
     def counts(self) -> torch.Tensor:
         return torch.tensor([len(i) for i in self.indices], dtype=torch.long)
 
-    def max_kept(self) -> int:
-        return max((len(i) for i in self.indices), default=0)
-
     @classmethod
     def keep_valid(cls, kv: LayerKV) -> Selection:
         """Keep every live token (the no-op selection)."""
@@ -291,7 +288,20 @@ class Policy:
     """
 
     name: ClassVar[str] = ""
+    #: What each KV head keeps, in a few words (the overview table of docs/policies.md).
+    KEEPS: ClassVar[str] = ""
+    #: The method's paper, short (``–`` for none; the same table).
+    PAPER: ClassVar[str] = "–"
     PARAMS: ClassVar[dict[str, Param]] = {}
+    #: Defaults that ``None`` stands for, in words (the same table), e.g. ``{"sink": "B/4"}``.
+    IMPLICIT_DEFAULTS: ClassVar[Mapping[str, str]] = {}
+    #: Spec settings small enough that a prompt of tens of tokens and a few decode steps reach
+    #: every code path (compression, recompression); the shared tests run the policy with them
+    #: (tests/policies/test_matrix.py, the engine's oracle equality).
+    TEST_PARAMS: ClassVar[Mapping[str, Any]] = {}
+    #: Named non-default settings that benchmarks and the shared tests run next to the defaults
+    #: (label suffix -> spec settings), e.g. ``{"adaptive": {"heads": "adaptive"}}``.
+    VARIANTS: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
     #: True if the policy recompresses during decode at ``interval``.
     RECOMPRESSES: ClassVar[bool] = False
     #: Name of a calibration profile kind the policy needs ("razor", "pod") or None.
@@ -346,10 +356,12 @@ class Policy:
         """How many trailing queries per layer the policy reads (0 = attention-free)."""
         return 0
 
-    def mean_kept_bound(self, prompt_len: int) -> int | None:
+    def mean_kept_bound(self, prompt_len: int, num_heads: int | None = None) -> int | None:
         """Most tokens per (layer, head), on average over them, the prompt-end compression keeps
-        before page rounding; None if the policy does not bound it (the engine then plans for
-        the whole prompt)."""
+        before page rounding, for ``num_heads`` (layer, KV head) pairs on one rank (None: not
+        known, e.g. under tensor parallelism). The engine reserves that many pages for the
+        compaction up front, so every compressing policy gives one; None (the engine then plans
+        for the whole prompt) only where it truly cannot be told."""
         return None
 
     def kept_for(self, n_tokens: int) -> int:
@@ -427,7 +439,7 @@ class ScorePolicy(Policy):
         ``selection`` is what is kept (page-rounded); ``chosen`` the slots the allocation picked.
         """
 
-    def mean_kept_bound(self, prompt_len: int) -> int | None:
+    def mean_kept_bound(self, prompt_len: int, num_heads: int | None = None) -> int | None:
         """Every allocation keeps ``target_budget`` tokens per head on average (adaptive heads
         move budget between heads, never add to it)."""
         return self.target_budget(prompt_len)

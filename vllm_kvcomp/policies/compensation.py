@@ -4,13 +4,16 @@ The compensation token (k̂, v̂) stands for N_d dropped tokens: its softmax wei
 ``N_d · exp(scale · q·k̂)``. As a partial attention result it has output v̂ and log-sum-exp
 ``scale · q·k̂ + ln N_d``; merging it with the kernel's (out, lse) over the kept tokens gives the
 exact eq. 5 result. N_d = 0 gives lse = -inf, i.e. no compensation.
+
+Two attention variants of the models we serve enter here, so that the engine, its kernels and
+the HF oracle share one formula: logit soft-capping (Gemma 2: a logit ``x`` becomes
+``cap · tanh(x / cap)``, the compensation token's too) and learned attention sinks (gpt-oss: one
+extra logit per query head with a zero value, :func:`with_sinks`).
 """
 
 from __future__ import annotations
 
 import torch
-
-from vllm_kvcomp.policies.base import Compensation
 
 
 def _acc(x: torch.Tensor) -> torch.Tensor:
@@ -18,13 +21,29 @@ def _acc(x: torch.Tensor) -> torch.Tensor:
     return x.double() if x.dtype == torch.float64 else x.float()
 
 
-def compensation_lse(q: torch.Tensor, k_hat: torch.Tensor, counts: torch.Tensor, scale: float) -> torch.Tensor:
+def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap · tanh(logits / cap)`` (Gemma 2's attention logit soft-capping); ``cap`` 0 = off."""
+    return cap * torch.tanh(logits / cap) if cap else logits
+
+
+def compensation_lse(q: torch.Tensor, k_hat: torch.Tensor, counts: torch.Tensor, scale: float,
+                     softcap: float = 0.0) -> torch.Tensor:
     """Log-weight of the compensation token.
 
     q [T, H_q, D], k_hat [H_q, D] (already expanded to query heads), counts [H_q] -> [T, H_q].
     """
-    logits = torch.einsum("thd,hd->th", _acc(q), _acc(k_hat)) * scale
+    logits = soft_cap(torch.einsum("thd,hd->th", _acc(q), _acc(k_hat)) * scale, softcap)
     return logits + torch.log(counts.to(logits.dtype)).unsqueeze(0)
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge learned attention sinks: one logit per query head whose value is zero.
+
+    out [T, H, D], lse [T, H], sinks [H] or [T, H] (None = none) -> (out, lse) including them."""
+    if sinks is None:
+        return out, lse
+    sink_lse = _acc(sinks).to(lse.dtype).expand(lse.shape)
+    return merge_partials(out, lse, torch.zeros_like(out), sink_lse)
 
 
 def merge_partials(
@@ -43,14 +62,15 @@ def merge_partials(
 
 
 def attention_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain attention of one head group, returning the log-sum-exp.
 
     q [T, H, D], k/v [S, H, D] (same head count as q), mask [T, S] or per head [H, T, S] bool
-    (True = visible) or None. Returns out [T, H, D], lse [T, H].
+    (True = visible) or None, ``softcap`` the logit cap (0 = off). Returns out [T, H, D], lse [T, H].
     """
-    logits = torch.einsum("thd,shd->hts", _acc(q), _acc(k)) * scale
+    logits = soft_cap(torch.einsum("thd,shd->hts", _acc(q), _acc(k)) * scale, softcap)
     if mask is not None:
         logits = logits.masked_fill(~(mask if mask.dim() == 3 else mask.unsqueeze(0)), float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)  # [H, T]
@@ -68,29 +88,17 @@ def compensated_attention(
     counts: torch.Tensor,
     scale: float,
     mask: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Eq. 5: attention over kept keys plus the count-weighted compensation token.
+    """Eq. 5: attention over kept keys plus the count-weighted compensation token (and the
+    layer's sinks [H], if any).
 
     q [T, H, D], k/v [S, H, D], k_hat/v_hat [H, D], counts [H] (N_d; 0 = off). Returns [T, H, D].
     """
-    out, lse = attention_with_lse(q, k, v, scale, mask)
-    comp_lse = compensation_lse(q, k_hat, counts, scale)
+    out, lse = attention_with_lse(q, k, v, scale, mask, softcap)
+    comp_lse = compensation_lse(q, k_hat, counts, scale, softcap)
     comp_out = _acc(v_hat).unsqueeze(0).expand(q.shape[0], -1, -1)
-    merged, _ = merge_partials(out, lse, comp_out.to(out.dtype), comp_lse)
-    return merged
+    merged, lse = merge_partials(out, lse, comp_out.to(out.dtype), comp_lse)
+    return with_sinks(merged, lse, sinks)[0]
 
-
-def stack_compensation(
-    entries: list[Compensation | None], num_kv_heads: int, head_dim: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Per-row compensation tokens as batch tensors: k_hat, v_hat [R, H_kv, D] and counts
-    [R, H_kv] (float32; rows without one get count 0 = off), or None when no row has one."""
-    if all(c is None for c in entries):
-        return None
-    k_hat = torch.zeros(len(entries), num_kv_heads, head_dim, dtype=torch.float32)
-    v_hat = torch.zeros_like(k_hat)
-    counts = torch.zeros(len(entries), num_kv_heads, dtype=torch.float32)
-    for r, c in enumerate(entries):
-        if c is not None:
-            k_hat[r], v_hat[r], counts[r] = c.keys.float(), c.values.float(), c.counts.float()
-    return k_hat, v_hat, counts

@@ -21,9 +21,9 @@ the last ``window`` queries.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -121,6 +121,9 @@ class EntropyBudget(Policy):
     """Entropy-scaled per-layer budgets with one shared token set per layer."""
 
     name: ClassVar[str] = "entropy"
+    KEEPS: ClassVar[str] = "layer budgets ∝ attention entropy; one shared top-k set per layer + recent"
+    PAPER: ClassVar[str] = "paper 002"
+    TEST_PARAMS: ClassVar[Mapping[str, Any]] = {"ratio": 0.5, "window": 8, "interval": 4}
     RECOMPRESSES: ClassVar[bool] = True
     PARAMS: ClassVar[dict[str, Param]] = {
         "min_ratio": Param("min_ratio", float, 0.25, 0.0, 1.0, help="smallest layer budget / average budget"),
@@ -140,6 +143,10 @@ class EntropyBudget(Policy):
 
     def queries_needed(self) -> int:
         return self.window
+
+    def mean_kept_bound(self, prompt_len: int, num_heads: int | None = None) -> int | None:
+        """The layer budgets sum to (layers) x target (:func:`entropy_budgets`)."""
+        return self.target_budget(prompt_len)
 
     def select(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
         if layers and all("budget" in state.layer(kv.layer) for kv in layers):

@@ -11,6 +11,7 @@ from vllm_kvcomp.policies.base import LayerKV, Policy, RequestState, Selection
 @dataclass
 class Full(Policy):
     name: ClassVar[str] = "full"
+    KEEPS: ClassVar[str] = "everything"
 
     def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
         return Selection.keep_valid(kv)

@@ -28,8 +28,9 @@ Deliberate choices (issue #17, pinned in ``tests/policies/test_h2o.py``):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -51,6 +52,10 @@ class H2O(HeadsChoice, ScorePolicy):
     """Heavy hitters (accumulated attention) + recent window, recompressed during decode."""
 
     name: ClassVar[str] = "h2o"
+    KEEPS: ClassVar[str] = "heaviest accumulated attention + recent `window` (recompresses)"
+    PAPER: ClassVar[str] = "Zhang et al. 2023"
+    TEST_PARAMS: ClassVar[Mapping[str, Any]] = {"ratio": 0.5, "window": 8, "interval": 4}
+    VARIANTS: ClassVar[Mapping[str, Mapping[str, Any]]] = {"adaptive": {"heads": "adaptive"}}
     PARAMS: ClassVar[dict[str, Param]] = {**HEADS_PARAMS}
     RECOMPRESSES: ClassVar[bool] = True
 

@@ -6,8 +6,9 @@ first / last live tokens (both 0 by default, as in kvpress). One-shot after pref
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -21,6 +22,9 @@ class KNorm(HeadsChoice, ScorePolicy):
     """Lowest key norms, optionally plus sink and recent window."""
 
     name: ClassVar[str] = "knorm"
+    KEEPS: ClassVar[str] = "keys with the lowest L2 norm (+ optional sink/window)"
+    PAPER: ClassVar[str] = "Devoto et al. 2024"
+    TEST_PARAMS: ClassVar[Mapping[str, Any]] = {"ratio": 0.25, "sink": 4, "window": 8}
     STREAMS: ClassVar[bool] = True
     PARAMS: ClassVar[dict[str, Param]] = {**HEADS_PARAMS}
 

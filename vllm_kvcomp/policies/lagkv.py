@@ -1,33 +1,49 @@
 """``lagkv``: LagKV (000_…): attention-free, lag-relative scoring (eq. 5–9), recursive.
 
-Per head: keep the first ``sink`` (S) tokens; cut the rest into partitions of ``lag`` (L)
-tokens. Partition p is scored against partition p+1 (its reference): each channel of K (and
-separately V) is min-max normalised with the reference's per-channel min/max over the sequence
-(eq. 5–7); a token's score is the softmax over the partition of the channel-wise std of its
-normalised K plus the same for V (eq. 8–9). Each scored partition keeps its top
-``floor(r·L)`` tokens (at least 1; r = ``ratio``, floor as in the authors' code). The last full
-partition and the remainder stay uncompressed as the sliding window. So for
-``Ls ≥ S + 2L`` tokens the cache holds (eq. 10)
+Per head: the first ``sink`` (S) tokens, then partitions of ``lag`` (L) tokens. Partition p is
+scored against partition p+1 (its reference): each channel of K (and separately V) is min-max
+normalised with the reference's per-channel min/max over the sequence (eq. 5–7); a token's score
+is the softmax over the partition of the channel-wise std of its normalised K plus the same for
+V (eq. 8–9). The last full partition and the remainder (the *tail*) have no reference yet and are
+not scored. A scored partition keeps its best-scored tokens.
+
+How many (``exact=0``, the default): ``ratio`` is the fraction of the tokens a head has seen that
+it keeps, ``B(n) = ceil(ratio·n)``, as for every policy. The sink and the tail stay whole while
+they fit in B; the scored partitions share the rest, ``B − S − tail``, split evenly by partition
+index (partition p of a prompt of N tokens keeps ``⌊(p+1)·X/M⌋ − ⌊p·X/M⌋`` of
+``X = B(N) − S − tail``, M scored partitions); if sink and tail alone exceed B, the tail keeps
+its newest tokens and the sink its first B. So a head holds exactly B(n) after every
+compression (before page rounding), also for a prompt shorter than ``S + 2L`` (nothing is scored:
+sink + newest tokens).
+
+``exact=1``: the paper's rule. ``ratio`` is r, the fraction kept *per scored partition*: each keeps
+its top ``floor(r·L)`` tokens (at least 1; floor as in the authors' code), sink and tail stay
+whole, so for ``Ls ≥ S + 2L`` tokens the cache holds (eq. 10)
 
     L_R = S + floor(r·L)·(floor((Ls - S)/L) - 1) + L + (Ls - S) mod L
 
 and ``Ls < S + 2L`` compresses nothing (at ``Ls = S + 2L`` the first partition already has a
 complete reference and is compressed, matching eq. 10 and the authors' ``>=``).
 
-Decode: a per-head cursor (logical position where the uncompressed tail starts) lives in the
-layer state; a recompression is due as soon as some tail holds two full partitions, and it
-compresses every partition whose reference is complete, so the cache length always equals
-eq. 10 of the total length.
+Decode: a per-head cursor (logical position where the tail starts) lives in the layer state; a
+recompression is due as soon as some tail holds two full partitions, and it compresses every
+partition whose reference is complete. ``exact=0`` chases B(n) of the tokens seen (held tokens
+count what they are, page rounding included, so the error never accumulates); ``exact=1`` keeps
+eq. 10 of the total length. With ``prefill=stream`` the partitions of the prompt keep the whole
+prompt's schedule above, so streaming keeps what compressing the prompt at its end keeps.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
+from vllm_kvcomp.params import Param
 from vllm_kvcomp.policies.base import LayerKV, Policy, RequestState, Selection
 
 #: Smallest per-channel range of the reference partition (avoids 0/0 on constant channels).
@@ -60,7 +76,7 @@ def lagkv_scores(
 
 
 def lag_keep(lag: int, ratio: float) -> int:
-    """Tokens a scored partition keeps: ``floor(r·L)``, at least 1.
+    """Tokens a scored partition keeps with ``exact=1``: ``floor(r·L)``, at least 1.
 
     The authors' code takes ``int(r·L)``; two deliberate differences (issue #17, pinned in
     ``tests/policies/test_lagkv.py``): the ``1e-9`` lets a decimal ratio mean what it says
@@ -72,24 +88,66 @@ def lag_keep(lag: int, ratio: float) -> int:
 
 
 def lagkv_retained(n_tokens: int, sink: int, lag: int, ratio: float) -> int:
-    """Eq. 10: cache length after LagKV compressed ``n_tokens`` tokens."""
+    """Eq. 10: cache length after LagKV (``exact=1``) compressed ``n_tokens`` tokens."""
     if n_tokens < sink + 2 * lag:
         return n_tokens
     parts, rest = divmod(n_tokens - sink, lag)
     return sink + lag_keep(lag, ratio) * (parts - 1) + lag + rest
 
 
+EXACT_PARAM = Param(
+    "exact", int, 0, 0, 1,
+    help="1: the paper's eq. 10–11 (ratio = r, the fraction kept per scored partition; sink and tail "
+    "whole, so a head holds more than ratio); 0: ratio is the fraction of the tokens seen a head keeps",
+)
+
+
+def _clamp(value: int, low: int, high: int) -> int:
+    return max(low, min(value, high))
+
+
+@dataclass
+class _Track:
+    """What ``exact=0`` remembers of one head between compressions."""
+
+    prompt: int  # tokens of the prompt the head sees: its partitions' schedule (:meth:`LagKV._schedule`)
+    sink: int  # its sink: at most S, at most B(prompt)
+    seen: int  # tokens it has seen, evicted ones included
+    held: int  # tokens it held after the last compression
+    parts: int = 0  # partitions compressed so far
+
+
+@dataclass
+class _Plan:
+    """One head's compression: keep ``[start, first)``, the top ``keeps[j]`` of scored partition j
+    (slots ``first + j·L`` on) and the newest ``tail`` live slots."""
+
+    start: int
+    first: int
+    keeps: list[int]
+    tail: int
+    cursor: int | None  # logical position where the uncompressed tail starts afterwards
+
+
 @dataclass
 class LagKV(Policy):
-    """Recursive lag-relative compression; ``ratio`` is the fraction r kept per partition."""
+    """Recursive lag-relative compression; ``ratio`` is the fraction of the tokens seen a head keeps
+    (``exact=1``: the fraction r kept per partition, eq. 10)."""
 
     name: ClassVar[str] = "lagkv"
+    KEEPS: ClassVar[str] = (
+        "per `lag` partition, the top tokens by lag-relative K/V spread; sink + last partition while they fit")
+    PAPER: ClassVar[str] = "paper 000 (2025)"
+    TEST_PARAMS: ClassVar[Mapping[str, Any]] = {"ratio": 0.5, "sink": 4, "lag": 16}
+    VARIANTS: ClassVar[Mapping[str, Mapping[str, Any]]] = {"exact": {"exact": 1}}
     RECOMPRESSES: ClassVar[bool] = True
     STREAMS: ClassVar[bool] = True
+    PARAMS: ClassVar[dict[str, Param]] = {"exact": EXACT_PARAM}
 
     ratio: float | None = 0.5
     sink: int = 16
     lag: int = 128
+    exact: int = 0
 
     def check(self) -> None:
         """A 1-token partition keeps its one token (``lag_keep`` is at least 1): nothing is ever
@@ -114,62 +172,136 @@ class LagKV(Policy):
         return num_tokens >= int(self.sink) + 2 * self.lag
 
     def streaming_bound(self, prompt_len: int) -> int | None:
-        return lagkv_retained(prompt_len, int(self.sink), self.lag, self.ratio or 1.0)
+        """Most a head holds after any chunk's compression: mid-prompt (``exact=0``) its tail, up
+        to 2L − 1 tokens, stays whole even where the prompt's end cuts it."""
+        if self.exact:
+            return self.mean_kept_bound(prompt_len)
+        sink = min(int(self.sink), self.kept_for(prompt_len))
+        middle = self._prompt_share(prompt_len, sink)[1]
+        return max(self.kept_for(prompt_len), min(prompt_len, sink + middle + 2 * self.lag - 1))
+
+    def mean_kept_bound(self, prompt_len: int, num_heads: int | None = None) -> int | None:
+        """Every head keeps the same count of a ``prompt_len`` prompt: B(N) (eq. 10 with ``exact=1``)."""
+        if self.exact:
+            return lagkv_retained(prompt_len, int(self.sink), self.lag, self.ratio or 1.0)
+        return self.kept_for(prompt_len)
+
+    def select(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
+        """Every layer; the first compression fixes ``state.budget`` at the most any head keeps."""
+        selections = super().select(layers, state)
+        if state.budget is None:
+            state.budget = max((len(idx) for sel in selections for idx in sel.indices), default=0)
+        return selections
 
     def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
         memory = state.layer(kv.layer)
-        cursors: list[int | None] = memory.get("cursor") or [None] * kv.num_kv_heads
+        heads, n = kv.num_kv_heads, kv.num_slots
+        cursors: list[int | None] = memory.get("cursor") or [None] * heads
+        tracks: list[_Track | None] = memory.get("track") or [None] * heads
         positions = kv.slot_positions()
         lengths = kv.valid_lengths()
-        groups: dict[tuple[int, int], list[int]] = {}  # (first live slot, first tail slot) -> heads
-        for h in range(kv.num_kv_heads):
-            start, first, cursors[h] = self._bounds(kv.num_slots, int(lengths[h]), positions[h], cursors[h])
-            groups.setdefault((start, first), []).append(h)
-        indices: list[torch.Tensor] = [torch.empty(0, dtype=torch.long)] * kv.num_kv_heads
-        priority = torch.zeros(kv.num_kv_heads, kv.num_slots)  # scored partitions' tokens, for page rounding
-        for (start, first), heads in groups.items():
-            for h, idx, cursor, scores in self._heads(kv, heads, start, first, positions):
-                indices[h] = idx
-                cursors[h] = cursor if cursor is not None else cursors[h]
-                priority[h, first : first + scores.numel()] = scores
-        indices = state.pad(indices, priority, lengths)
+        plans = [self._plan(n, int(lengths[h]), positions[h], cursors[h], tracks, h, state.prompt_len)
+                 for h in range(heads)]
+        groups: dict[tuple[int, int], list[int]] = {}  # (first scored slot, scored partitions) -> heads
+        for h, plan in enumerate(plans):
+            groups.setdefault((plan.first, len(plan.keeps)), []).append(h)
+        chosen: list[torch.Tensor] = [torch.empty(0, dtype=torch.long)] * heads
+        priority = torch.zeros(heads, n)  # scored partitions' tokens, for page rounding
+        for (first, scored), members in groups.items():
+            if scored:
+                scores = self._scores(kv, members, first, scored)  # [G, scored, L]
+                for g, h in enumerate(members):
+                    chosen[h] = _top(scores[g], plans[h].keeps, first)
+                    priority[h, first : first + scores[g].numel()] = scores[g].flatten()
+        indices = state.pad([torch.cat([torch.arange(p.start, p.first), chosen[h], torch.arange(n - p.tail, n)])
+                             for h, p in enumerate(plans)], priority, lengths)
+        for h, (plan, idx) in enumerate(zip(plans, indices)):
+            cursors[h] = plan.cursor
+            track = tracks[h]
+            if track is not None:
+                track.held, track.parts = len(idx), track.parts + len(plan.keeps)
         compressed = [len(idx) - int((positions[h, idx] >= (cursors[h] or 0)).sum()) for h, idx in enumerate(indices)]
         memory["cursor"] = cursors
+        if not self.exact:
+            memory["track"] = tracks
         memory["compressed"] = state.ranks.reduce(min(compressed, default=0), min)  # every rank's heads
-        if state.budget is None:
-            state.budget = max((len(i) for i in indices), default=0)
         return Selection(indices)
 
-    def _bounds(
-        self, n: int, length: int, positions: torch.Tensor, cursor: int | None
-    ) -> tuple[int, int, int | None]:
-        """(first live slot, first slot of the uncompressed tail, cursor) of one head [S] positions."""
+    def _plan(self, n: int, length: int, positions: torch.Tensor, cursor: int | None,
+              tracks: list[_Track | None], h: int, prompt_len: int) -> _Plan:
+        """What head ``h`` (positions [N], ``length`` live slots) keeps; creates or updates its
+        ``tracks[h]`` (``exact=0``)."""
         start = n - length
         if length == 0:
-            return n, n, cursor
-        if cursor is None:  # first compression: the first `sink` live tokens (future ones if short)
-            first = start + min(self.sink, length)
-            cursor = int(positions[first]) if first < n else int(positions[-1]) + 1 + self.sink - length
-        return start, start + int((positions[start:] < cursor).sum()), cursor
+            return _Plan(n, n, [], 0, cursor)
+        track = tracks[h]
+        if cursor is None:  # first compression: the sink, then (if short) future tokens fill it
+            prompt = length + max(0, prompt_len - int(positions[-1]) - 1)  # prefill=stream: the whole prompt
+            sink = int(self.sink) if self.exact else min(int(self.sink), self.kept_for(prompt))
+            first = start + min(sink, length)
+            cursor = int(positions[first]) if first < n else int(positions[-1]) + 1 + sink - length
+            track = tracks[h] = None if self.exact else _Track(prompt, sink, seen=length, held=length)
+        else:
+            first = start + int((positions[start:] < cursor).sum())
+            if track is not None:
+                track.seen += length - track.held
+        scored = max((n - first) // self.lag - 1, 0)
+        tail = n - first - scored * self.lag
+        if track is None:
+            keeps, keep_tail = [lag_keep(self.lag, self.ratio or 1.0)] * scored, tail
+        else:
+            keeps, keep_tail = self._shares(track, first - start, scored, tail)
+        if scored or keep_tail < tail:  # the tail starts anew
+            cursor = int(positions[n - keep_tail]) if keep_tail else int(positions[-1]) + 1
+        return _Plan(start, first, keeps, keep_tail, cursor)
 
-    def _heads(
-        self, kv: LayerKV, heads: list[int], start: int, first: int, positions: torch.Tensor
-    ) -> list[tuple[int, torch.Tensor, int | None, torch.Tensor]]:
-        """(head, kept slots, new cursor or None = unchanged, scores of the slots from ``first``
-        on) for heads sharing ``start``/``first``, scored together: keys/values [G, parts, L, D]."""
-        n = kv.num_slots
-        parts = (n - first) // self.lag
-        if parts < 2:
-            return [(h, torch.arange(start, n), None, torch.empty(0)) for h in heads]
-        tail = first + (parts - 1) * self.lag
-        keys = kv.keys[heads, first : first + parts * self.lag].unflatten(1, (parts, self.lag))
-        values = kv.values[heads, first : first + parts * self.lag].unflatten(1, (parts, self.lag))
-        scores = lagkv_scores(keys[:, :-1], values[:, :-1], keys[:, 1:], values[:, 1:]).cpu()  # [G, parts-1, L]
-        top = scores.topk(lag_keep(self.lag, self.ratio or 1.0), dim=-1).indices
-        offsets = first + self.lag * torch.arange(parts - 1).unsqueeze(1)
-        chosen = torch.sort((top + offsets).flatten(1), dim=-1).values  # [G, kept]
-        head_slots, tail_slots = torch.arange(start, first), torch.arange(tail, n)
-        return [
-            (h, torch.cat([head_slots, chosen[g], tail_slots]), int(positions[h, tail]), scores[g].flatten())
-            for g, h in enumerate(heads)
-        ]
+    def _shares(self, track: _Track, head: int, scored: int, tail: int) -> tuple[list[int], int]:
+        """``exact=0``: (kept tokens of each newly scored partition, kept tail tokens) of a head
+        holding ``head`` tokens before them (sink and compressed partitions) and ``tail`` after."""
+        done = max(head - track.sink, 0)  # held of the partitions compressed before
+        if track.seen < track.prompt:  # within the prompt (prefill=stream): its schedule, tail whole
+            total, keep_tail = _clamp(self._schedule(track, track.parts + scored) - done, 0, scored * self.lag), tail
+        else:
+            budget = self.kept_for(track.seen)
+            total = _clamp(budget - head - tail, 0, scored * self.lag)
+            keep_tail = _clamp(budget - head - total, 0, tail)
+        if not scored:
+            return [], keep_tail
+        cuts = [0, *(_clamp(self._schedule(track, track.parts + j) - done, 0, total) for j in range(1, scored)), total]
+        return [b - a for a, b in itertools.pairwise(cuts)], keep_tail
+
+    def _schedule(self, track: _Track, parts: int) -> int:
+        """Tokens the first ``parts`` scored partitions of the head keep between them: the prompt's
+        share split evenly over its scored partitions, then L per partition beyond (an upper
+        bound: in decode the target B(n) rules)."""
+        prompt_parts, share = self._prompt_share(track.prompt, track.sink)
+        if not prompt_parts:
+            return parts * self.lag
+        return min(parts, prompt_parts) * share // prompt_parts + max(parts - prompt_parts, 0) * self.lag
+
+    def _prompt_share(self, prompt: int, sink: int) -> tuple[int, int]:
+        """(M, X): the scored partitions of a ``prompt``-token prompt after ``sink`` tokens and what
+        they keep between them, ``X = B(N) − sink − tail`` (at least 0)."""
+        rest = prompt - sink
+        parts = max(rest // self.lag - 1, 0)
+        return parts, _clamp(self.kept_for(prompt) - sink - (rest - parts * self.lag), 0, parts * self.lag)
+
+    def _scores(self, kv: LayerKV, heads: list[int], first: int, scored: int) -> torch.Tensor:
+        """[G, scored, L] scores of ``scored`` partitions from slot ``first`` of ``heads``, each
+        against the next partition."""
+        end = first + (scored + 1) * self.lag
+        keys = kv.keys[heads, first:end].unflatten(1, (scored + 1, self.lag))
+        values = kv.values[heads, first:end].unflatten(1, (scored + 1, self.lag))
+        return lagkv_scores(keys[:, :-1], values[:, :-1], keys[:, 1:], values[:, 1:]).cpu()
+
+
+def _top(scores: torch.Tensor, keeps: list[int], first: int) -> torch.Tensor:
+    """Sorted slots of the top ``keeps[j]`` tokens of each scored partition j (scores [P, L]),
+    the partitions starting at slot ``first``."""
+    most = max(keeps)
+    if not most:
+        return torch.empty(0, dtype=torch.long)
+    lag = scores.shape[1]
+    top = scores.topk(most, dim=-1).indices + first + lag * torch.arange(len(keeps)).unsqueeze(1)
+    wanted = torch.arange(most) < torch.tensor(keeps).unsqueeze(1)
+    return torch.sort(top[wanted]).values

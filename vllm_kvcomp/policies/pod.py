@@ -26,9 +26,9 @@ Without a profile (``groups is None``) every layer is its own group (own scores)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
@@ -44,10 +44,6 @@ from vllm_kvcomp.policies.base import (
 )
 from vllm_kvcomp.policies.compensation import attention_with_lse
 from vllm_kvcomp.policies.razor import PROFILE_PARAM, check_profile_name
-
-if TYPE_CHECKING:
-    from vllm_kvcomp.calibration.profiles import LayerGroupsProfile
-
 
 # ---------------------------------------------------------------------------- Appendix A.1 reference
 
@@ -108,6 +104,10 @@ class POD(Policy):
     """Training-free POD token selection. ``groups``: consecutive layer blocks sharing scores."""
 
     name: ClassVar[str] = "pod"
+    KEEPS: ClassVar[str] = (
+        "per layer group, proximal (sink + recent) + distant tokens ranked by the group's lowest layer")
+    PAPER: ClassVar[str] = "paper 004"
+    TEST_PARAMS: ClassVar[Mapping[str, Any]] = {"ratio": 0.5, "sink": 4, "window": 8, "observe": 8}
     PROFILE: ClassVar[str | None] = "pod"
     PARAMS: ClassVar[dict[str, Param]] = {
         "tau": Param("tau", float, 0.9, 0.0, 1.0, help="gate threshold: drop distant tokens when g >= tau"),
@@ -133,12 +133,12 @@ class POD(Policy):
                 f"integer >= {proximal}, or a smaller sink/window",
             )
 
-    def with_profile(self, profile: LayerGroupsProfile) -> POD:
-        """This policy with ``groups`` from a calibration profile."""
-        return replace(self, groups=tuple(tuple(g) for g in profile.groups))
-
     def queries_needed(self) -> int:
         return int(self.observe)
+
+    def mean_kept_bound(self, prompt_len: int, num_heads: int | None = None) -> int | None:
+        """Every head keeps at most the budget (gated heads keep only their proximal tokens)."""
+        return min(prompt_len, self.kept_for(prompt_len))
 
     def layer_groups(self, num_layers: int) -> tuple[tuple[int, ...], ...]:
         """The groups to use for a model of ``num_layers`` (singletons without a profile)."""

@@ -31,8 +31,9 @@ selection compressed nothing (prompt ≤ B), the first decode recompression make
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -66,6 +67,11 @@ class SageKV(ScorePolicy):
     """Sink B/4 + union of per-query-head top-k (last-token attention) + recent window."""
 
     name: ClassVar[str] = "sagekv"
+    KEEPS: ClassVar[str] = (
+        "sink B/4 + union of per-query-head top-k of the last token + recent (recompresses)")
+    PAPER: ClassVar[str] = "Wang et al. 2025 (paper 001)"
+    IMPLICIT_DEFAULTS: ClassVar[Mapping[str, str]] = {"sink": "B/4"}
+    TEST_PARAMS: ClassVar[Mapping[str, Any]] = {"ratio": 0.5, "interval": 4}
     RECOMPRESSES: ClassVar[bool] = True
 
     ratio: float | None = 0.5

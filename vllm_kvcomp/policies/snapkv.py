@@ -9,8 +9,9 @@ itself. One-shot after prefill.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,10 @@ class SnapKV(HeadsChoice, ScorePolicy):
     """Observation-window voting with pooling; ``window`` queries observe and are kept."""
 
     name: ClassVar[str] = "snapkv"
+    KEEPS: ClassVar[str] = "tokens the last `window` queries attend to most (pooled) + that window"
+    PAPER: ClassVar[str] = "Li et al. 2024"
+    TEST_PARAMS: ClassVar[Mapping[str, Any]] = {"ratio": 0.5, "window": 8}
+    VARIANTS: ClassVar[Mapping[str, Mapping[str, Any]]] = {"adaptive": {"heads": "adaptive"}}
     PARAMS: ClassVar[dict[str, Param]] = {
         "kernel": Param("kernel", int, 7, 1, 63, help="odd width of the 1-D average pooling"),
         **HEADS_PARAMS,

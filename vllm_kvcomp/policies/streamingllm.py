@@ -6,8 +6,9 @@ decode the window slides: every ``interval`` steps the cache is cut back to ``B`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -19,6 +20,9 @@ class StreamingLLM(ScorePolicy):
     """Sink + recent window, same count per head."""
 
     name: ClassVar[str] = "streamingllm"
+    KEEPS: ClassVar[str] = "first `sink` + most recent tokens"
+    PAPER: ClassVar[str] = "Xiao et al. 2023"
+    TEST_PARAMS: ClassVar[Mapping[str, Any]] = {"ratio": 0.5, "sink": 4, "interval": 4}
     STREAMS: ClassVar[bool] = True
     RECOMPRESSES: ClassVar[bool] = True
 

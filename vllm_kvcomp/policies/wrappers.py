@@ -127,7 +127,7 @@ class AdaptiveHeads(_Wrapper):
         if not 0.0 <= self.floor <= 1.0:
             raise SpecError("floor", f"{self.floor:g} is out of range", "a number in [0, 1]")
 
-    def mean_kept_bound(self, prompt_len: int) -> int | None:
+    def mean_kept_bound(self, prompt_len: int, num_heads: int | None = None) -> int | None:
         return self.target_budget(prompt_len)  # spread over heads, the layer total is H·B
 
     def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
@@ -151,6 +151,9 @@ class LayerBudgets(_Wrapper):
     def check(self) -> None:
         if not self.budgets or any(int(b) < 1 for b in self.budgets):
             raise SpecError("budgets", f"invalid per-layer budgets {self.budgets!r}", "positive integers, one per layer")
+
+    def mean_kept_bound(self, prompt_len: int, num_heads: int | None = None) -> int | None:
+        return min(prompt_len, -(-sum(int(b) for b in self.budgets) // len(self.budgets)))
 
     def select(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
         if layers and len(self.budgets) < layers[0].num_layers:

@@ -21,6 +21,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from vllm_kvcomp.engine.support import unavailable_reason
 from vllm_kvcomp.server import protocol
 from vllm_kvcomp.server.operator_config import OperatorConfig
 from vllm_kvcomp.server.results import ResultTap
@@ -43,6 +44,7 @@ class KVCompressionMiddleware:
         self.app = app
         self._config = config
         self._tap: ResultTap | None = None
+        self._unavailable: str | None = None  # this engine cannot compress (from its config)
         self._ready = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -76,8 +78,17 @@ class KVCompressionMiddleware:
             await _send_json(send, 400, err.to_json())
             return
         if spec is not None:
-            send = _ResponseRewriter(send, spec, self._tap, route.results)
+            send = _ResponseRewriter(send, spec, self._tap, route.results, self._uncompressed_because(spec, body))
         await self.app(_with_length(scope, len(raw)), _replay(raw, receive), send)
+
+    def _uncompressed_because(self, spec: CompressionSpec, body: Any) -> str | None:
+        """Why a request asking for compression runs uncompressed whatever the engine does (the
+        engine cannot compress; vLLM's beam search issues its own requests without it), or None."""
+        if not spec.compresses:
+            return None
+        if isinstance(body, dict) and body.get("use_beam_search") is True:
+            return "beam search runs uncompressed (vLLM's beam search issues its own engine requests)"
+        return self._unavailable
 
     def _setup(self, scope: Scope) -> None:
         """Load the operator config and tap the engine client, once (they live in ``app.state``)."""
@@ -91,15 +102,18 @@ class KVCompressionMiddleware:
         client = getattr(state, "engine_client", None)
         if client is not None:
             self._tap = ResultTap.install(client)
+            self._unavailable = unavailable_reason(getattr(client, "vllm_config", None))
         self._ready = True
 
 
 class _ResponseRewriter:
     """``send`` that adds the applied header and the usage extension to successful responses."""
 
-    def __init__(self, send: Send, spec: CompressionSpec, tap: ResultTap | None, results: str | None):
+    def __init__(self, send: Send, spec: CompressionSpec, tap: ResultTap | None, results: str | None,
+                 uncompressed_because: str | None = None):
         self._send = send
-        self._applied = protocol.applied_header(spec).encode("latin-1")
+        applied = protocol.NO_COMPRESSION if uncompressed_because else protocol.applied_header(spec)
+        self._applied = applied.encode("latin-1")
         self._tap = tap if results is not None else None
         self._results = results
         self._mode = "pass"  # "json": buffered and rewritten, "sse": events rewritten, "pass"
@@ -148,6 +162,9 @@ class _ResponseRewriter:
         start = self._start
         headers = [(k, v) for k, v in start["headers"] if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(body)).encode()))
+        if extension is not None and extension.get("reason"):  # the engine says it served it uncompressed
+            headers = [(k, v) for k, v in headers if k.lower() != APPLIED_KEY]
+            headers.append((APPLIED_KEY, protocol.NO_COMPRESSION.encode("latin-1")))
         await self._send({**start, "headers": headers})
         await self._send({"type": "http.response.body", "body": body, "more_body": False})
 

@@ -18,12 +18,14 @@ compression settings.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_kvcomp.params import SpecError, show
+from vllm_kvcomp.policies.registry import get_policy_class
 from vllm_kvcomp.server.operator_config import OperatorConfig
 from vllm_kvcomp.spec import XARGS_PREFIX, CompressionSpec, same_value, setting_items
 
@@ -245,11 +247,41 @@ def resolve(config: OperatorConfig, headers: Sequence[str], body: Mapping[str, A
     if asked is None:
         return config.resolve(None)
     try:
-        return config.resolve(asked.spec)
+        spec = config.resolve(asked.spec)
+        check_fit(config, spec)
+        return spec
     except SpecError as err:
         if asked.source in (XARGS_FIELD, NESTED_FIELD):
             err = SpecError(XARGS_PREFIX + err.field, err.message, err.allowed)
         raise RequestError.from_spec_error(err, asked.source) from None
+
+
+def check_fit(config: OperatorConfig, spec: CompressionSpec) -> None:
+    """SpecError unless the served razor profile leaves room for the spec's ``ratio``: its
+    retrieval heads keep every token (:meth:`Razor.check_fit`). The prompt's length is not known
+    here: what only a short prompt makes infeasible is served at the floor by the engine."""
+    ref = config.profiles.get("razor")
+    if config.model is None or ref is None or get_policy_class(spec.policy).PROFILE != "razor":
+        return
+    heads = _razor_heads(config.model, ref)
+    if heads is not None:
+        spec.build_policy().check_fit(*heads)
+
+
+@functools.lru_cache(maxsize=8)
+def _razor_heads(model: str, ref: str) -> tuple[int, int] | None:
+    """(retrieval heads, all (layer, KV head) pairs) of the razor profile ``ref`` of ``model``
+    (None if it cannot be read: the engine says so)."""
+    from vllm_kvcomp.calibration.profiles import load_profile
+
+    try:
+        if ref.endswith(".json") or "/" in ref:
+            profile = load_profile("razor", path=ref)
+        else:
+            profile = load_profile("razor", model_dir=model, name=ref)
+    except ValueError:
+        return None
+    return len(profile.kv_heads), profile.model.num_layers * profile.model.num_kv_heads
 
 
 def rewrite_body(body: dict[str, Any], spec: CompressionSpec, target: str = XARGS_FIELD) -> dict[str, Any]:
@@ -325,6 +357,9 @@ def usage_extension(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """
     first = results[0]
     out: dict[str, Any] = {"applied": first["applied"], "policy": first["policy"]}
+    for key in ("requested", "reason"):  # a request the engine served uncompressed: what and why
+        if key in first:
+            out[key] = first[key]
     for key in USAGE_SUMS:
         out[key] = sum(r.get(key, 0) for r in results)
     for key in TRACKED_SUMS:

@@ -54,21 +54,21 @@ class KVCompAttentionMixin:
                               output_block_scale)
         n = attn_metadata.num_actual_tokens
         worker.after_attention(layer.layer_name, query[:n], output[:n], attn_metadata.query_start_loc,
-                               attn_metadata.slot_mapping, self.scale)
+                               attn_metadata.slot_mapping)
         return out
 
     def _kernel_metadata(self, worker, layer, dtype: torch.dtype, meta):
         """``meta`` with recomputed rows trimmed (built once per step and metadata object)."""
-        cached = worker.step_cache.get(id(meta))
-        if cached is not None:
-            return cached
+        for seen, trimmed in worker.trimmed:  # by identity: one entry per metadata object of the step
+            if seen is meta:
+                return trimmed
         rows = worker.rows_to_recompute(meta.query_start_loc, meta.slot_mapping)
         trimmed = meta
         if rows:
             seq_lens, table = trim_rows(meta.seq_lens, meta.block_table, meta.query_start_loc, rows,
                                         worker.block_size)
             trimmed = self.with_lengths(layer, dtype, meta, seq_lens, table)
-        worker.step_cache[id(meta)] = trimmed
+        worker.trimmed.append((meta, trimmed))
         return trimmed
 
     def with_lengths(self, layer, dtype: torch.dtype, meta, seq_lens: torch.Tensor, block_table: torch.Tensor):

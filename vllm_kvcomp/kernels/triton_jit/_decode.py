@@ -2,13 +2,14 @@
 
 Stage 1 (flash-decoding): program (b, h_kv, split) attends the G query heads of KV head h_kv
 to one split of the head's valid slots ``[start, seq_len)`` and stores a normalised partial
-output and its log-sum-exp. Stage 2 merges the splits and the compensation token.
+output and its log-sum-exp. Stage 2 merges the splits, the compensation token and the sinks.
+Soft-capping (``SOFTCAP``) caps every logit, the compensation token's too.
 """
 
 import triton
 import triton.language as tl
 
-from vllm_kvcomp.kernels.triton_jit._paged import pv_dot, qk_dot, token_offsets
+from vllm_kvcomp.kernels.triton_jit._paged import pv_dot, qk_dot, soft_cap, token_offsets
 
 
 @triton.jit
@@ -21,6 +22,7 @@ def _decode_split_kernel(
     MidO,  # [B, H_q, S, D] float32
     MidLse,  # [B, H_q, S] float32
     scale,
+    softcap,
     num_splits,
     stride_qb,
     stride_qh,
@@ -37,6 +39,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     DOT_F32: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1)
@@ -71,6 +74,8 @@ def _decode_split_kernel(
         kv_mask = tmask[:, None] & dmask[None, :]
         k = tl.load(KV + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = qk_dot(q, k, DOT_F32) * scale
+        if SOFTCAP:
+            s = soft_cap(s, softcap)
         s = tl.where(hmask[:, None] & tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -97,9 +102,11 @@ def _decode_merge_kernel(
     KHat,  # [B, H_kv, D] compensation key (read only if HAS_COMP)
     VHat,  # [B, H_kv, D] compensation value
     CompCounts,  # [B, H_kv] float32 N_d; 0 turns the token off
+    Sinks,  # [B, H_q] float32 sink logits (read only if HAS_SINKS)
     Out,  # [B, H_q, D]
     Lse,  # [B, H_q] float32
     scale,
+    softcap,
     num_splits,
     stride_qb,
     stride_qh,
@@ -109,6 +116,8 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_COMP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     hq = tl.program_id(1)
@@ -140,13 +149,23 @@ def _decode_merge_kernel(
             )
             k_hat = tl.load(KHat + kv_row * HEAD_DIM + d, mask=dmask, other=0.0).to(tl.float32)
             v_hat = tl.load(VHat + kv_row * HEAD_DIM + d, mask=dmask, other=0.0).to(tl.float32)
-            comp_lse = tl.sum(q * k_hat, 0) * scale + tl.log(count)
+            comp_logit = tl.sum(q * k_hat, 0) * scale
+            if SOFTCAP:
+                comp_logit = soft_cap(comp_logit, softcap)
+            comp_lse = comp_logit + tl.log(count)
             m_new = tl.maximum(m, comp_lse)
             alpha = tl.exp(m - m_new)
             w = tl.exp(comp_lse - m_new)
             acc = acc * alpha + w * v_hat
             l_sum = l_sum * alpha + w
             m = m_new
+    if HAS_SINKS:  # a logit with a zero value: only the normaliser grows
+        sink = tl.load(Sinks + row)
+        m_new = tl.maximum(m, sink)
+        alpha = tl.exp(m - m_new)
+        acc = acc * alpha
+        l_sum = l_sum * alpha + tl.exp(sink - m_new)
+        m = m_new
     empty = l_sum == 0.0
     out = acc / tl.where(empty, 1.0, l_sum)
     lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, l_sum)))

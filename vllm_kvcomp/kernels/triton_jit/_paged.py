@@ -33,3 +33,10 @@ def pv_dot(p, v, DOT_F32: tl.constexpr):
     if DOT_F32:
         return tl.dot(p, v.to(tl.float32), input_precision="ieee")
     return tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
+def soft_cap(x, cap):
+    """``cap · tanh(x / cap)``, with tanh from exp (the interpreter has no tanh): exact in float32
+    for any x (exp overflow gives ±1)."""
+    return cap * (1.0 - 2.0 / (tl.exp(2.0 * x / cap) + 1.0))

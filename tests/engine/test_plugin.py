@@ -1,0 +1,64 @@
+"""Plugin-load patches and the worker binding: no patch is installed from a query method, and
+each applies only where its engine opted in."""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_kvcomp import vllm_compat
+from vllm_kvcomp.engine import plugin
+
+
+def config(connector: str = plugin.CONNECTOR_NAME, long_prompts: bool = False) -> SimpleNamespace:
+    extra = {"long_prompts": True} if long_prompts else {}
+    return SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector=connector, kv_connector_extra_config=extra))
+
+
+def test_long_prompts_allowed_only_for_our_opted_in_connector():
+    assert plugin.long_prompts_allowed(config(long_prompts=True))
+    assert not plugin.long_prompts_allowed(config())
+    assert not plugin.long_prompts_allowed(config("MultiConnector", long_prompts=True))
+    assert not plugin.long_prompts_allowed(SimpleNamespace(kv_transfer_config=None))
+
+
+def test_the_kv_cache_check_is_relaxed_only_for_an_opted_in_engine(monkeypatch):
+    from vllm.v1.core import kv_cache_utils
+
+    def strict(available, get_needed_memory, max_model_len, *args):
+        raise ValueError("one max_model_len sequence does not fit")
+
+    monkeypatch.setattr(kv_cache_utils, "_check_enough_kv_cache_memory", strict)
+    vllm_compat.allow_max_model_len_beyond_kv_cache(plugin.long_prompts_allowed)
+    vllm_compat.allow_max_model_len_beyond_kv_cache(plugin.long_prompts_allowed)  # idempotent
+    check = kv_cache_utils._check_enough_kv_cache_memory
+    assert check is not strict and check._kvcomp_relaxed
+    needed = lambda cfg: functools.partial(lambda c, groups: 0, cfg, [])  # noqa: E731 (vLLM's partial shape)
+    check(1, needed(config(long_prompts=True)), 8192)  # opted in: a warning, no error
+    for other in (needed(config()), needed(config("OffloadingConnector", True)), lambda: 0):
+        with pytest.raises(ValueError, match="does not fit"):
+            check(1, other, 8192)
+
+
+def test_the_backends_reach_only_a_bound_worker_of_an_active_connector(monkeypatch):
+    worker = object()
+    monkeypatch.setattr(plugin, "_worker", None)
+    monkeypatch.setattr(vllm_compat, "active_connector", lambda: object())
+    assert plugin.active_worker() is None
+    plugin.bind_worker(worker)
+    assert plugin.active_worker() is worker
+    monkeypatch.setattr(vllm_compat, "active_connector", lambda: None)  # an engine without KV transfer
+    assert plugin.active_worker() is None
+
+
+def test_the_connector_refuses_to_be_composed_with_another():
+    """Under vLLM's MultiConnector another connector would read or move blocks whose pages we
+    repack: refused at construction (before the model loads), naming what to do."""
+    from vllm_kvcomp.engine.connector import KVCompConnector
+    from vllm_kvcomp.vllm_compat import KVConnectorRole
+
+    composed = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector="MultiConnector"))
+    with pytest.raises(ValueError, match=r"only KV connector.*MultiConnector"):
+        KVCompConnector(composed, KVConnectorRole.WORKER)

@@ -1,0 +1,108 @@
+"""``pyramidkv``: PyramidKV (Cai et al., 2024, "PyramidKV: Dynamic KV Cache Compression based on
+Pyramidal Information Funneling"): per-layer budgets that decrease linearly with depth (the
+paper's arithmetic sequence), SnapKV scores inside each layer.
+
+Budgets (per head, layer l of L, T = the mean per-head budget from ``ratio`` / ``budget``, w =
+``window``): the observation window is kept in every layer and the selected part follows the
+paper's arithmetic sequence (the authors' ``pyramidkv_utils.py``, whose ``max_capacity_prompt``
+is T and whose sequence runs over ``T - w``):
+
+    top     = T - w                      (mean selected tokens per layer)
+    k_min   = top / beta,  k_max = 2·top - k_min
+    if k_max > N - w:  k_max = N - w,  k_min = 2·top - k_max      (a layer holds at most N)
+    B_l     = w + k_max - l·(k_max - k_min)/(L - 1)
+
+rounded by largest remainder (ties to the lower layer) so the budgets sum to exactly ``L·T``:
+``ratio`` stays the mean fraction kept. When ``T ≤ w`` or ``T ≥ N`` every layer keeps T
+(kvpress ``PyramidKVPress`` falls back to SnapKV the same way). L counts the layers the policy is
+given (a hybrid model's full-attention layers), in model order.
+
+Differences from kvpress ``PyramidKVPress``: kvpress runs the sequence over the whole budget T
+(window included, ``min_num = T / beta``) and caps its top at ``N - w``, then ``round()``s each
+layer (the mean drifts by up to half a token); the sequence over ``T - w`` is the authors' code
+and the paper's (the last ``w`` "instruction" tokens are kept in every layer).
+
+Scores: :class:`~vllm_kvcomp.policies.snapkv.SnapKV` (window votes, pooling, ``heads``), applied
+through :class:`~vllm_kvcomp.policies.wrappers.LayerBudgets`. One-shot after prefill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, ClassVar
+
+from vllm_kvcomp.params import Param
+from vllm_kvcomp.policies.base import LayerKV, Policy, RequestState, Selection
+from vllm_kvcomp.policies.snapkv import SnapKV
+from vllm_kvcomp.policies.wrappers import LayerBudgets
+
+
+def pyramid_budgets(num_layers: int, target: int, length: int, window: int, beta: int) -> list[int]:
+    """Per-head budgets of ``num_layers`` layers (first layer first) for ``length`` live tokens:
+    ``window`` plus a linearly decreasing selected part, summing to ``num_layers · target``."""
+    top = target - window
+    if num_layers <= 1 or top <= 0 or top >= length - window:
+        return [target] * num_layers
+    low = Fraction(top, beta)
+    high = 2 * top - low
+    if high > length - window:
+        high = Fraction(length - window)
+        low = 2 * top - high
+    step = (high - low) / (num_layers - 1)
+    exact = [high - layer * step for layer in range(num_layers)]
+    floors = [int(b) for b in exact]  # floor: every part is positive
+    missing = num_layers * top - sum(floors)
+    for layer in sorted(range(num_layers), key=lambda i: (floors[i] - exact[i], i))[:missing]:
+        floors[layer] += 1
+    return [window + b for b in floors]
+
+
+@dataclass
+class PyramidKV(Policy):
+    """SnapKV inside each layer, per-layer budgets decreasing linearly with depth (mean = T)."""
+
+    name: ClassVar[str] = "pyramidkv"
+    KEEPS: ClassVar[str] = "SnapKV per layer, budgets decreasing linearly with depth (mean = `ratio`)"
+    PAPER: ClassVar[str] = "Cai et al. 2024"
+    TEST_PARAMS: ClassVar[Mapping[str, Any]] = {"ratio": 0.5, "window": 8}
+    PARAMS: ClassVar[dict[str, Param]] = {
+        **SnapKV.PARAMS,
+        "beta": Param("beta", int, 20, 1, 1024,
+                      help="pyramid steepness: the last layer's selected part is the mean's / beta"),
+    }
+
+    ratio: float | None = 0.5
+    budget: int | None = None
+    window: int = 32
+    kernel: int = 7
+    beta: int = 20
+    heads: str = "uniform"
+
+    def check(self) -> None:
+        """``window`` and ``kernel`` are SnapKV's, with its rules."""
+        self.scorer().check()
+
+    def scorer(self) -> SnapKV:
+        """The SnapKV policy that scores (and allocates within) each layer."""
+        return SnapKV(ratio=self.ratio, budget=self.budget, window=self.window, kernel=self.kernel,
+                      heads=self.heads)
+
+    def queries_needed(self) -> int:
+        return self.window
+
+    def mean_kept_bound(self, prompt_len: int, num_heads: int | None = None) -> int | None:
+        """The layer budgets average exactly ``target_budget`` (:func:`pyramid_budgets`)."""
+        return min(prompt_len, self.target_budget(prompt_len))
+
+    def select(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
+        if not layers:
+            return []
+        longest = max(int(kv.valid_lengths().max()) for kv in layers)
+        target = self.target_budget(longest)
+        ordered = sorted(layers, key=lambda kv: kv.layer)
+        budgets = [target] * layers[0].num_layers  # layers not given (sliding-window ones) are never read
+        for kv, budget in zip(ordered, pyramid_budgets(len(ordered), target, longest, self.window, self.beta)):
+            budgets[kv.layer] = budget
+        return LayerBudgets(inner=self.scorer(), budgets=budgets).select(layers, state)
