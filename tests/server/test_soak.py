@@ -353,3 +353,21 @@ def test_a_short_soak_through_the_server_holds(tmp_path: Path):
     assert run.log_errors == []
     assert soak.verdict(run)
     assert (tmp_path / "soak_mixed.jsonl").stat().st_size > 0
+
+
+def test_ratios_a_policy_refuses_on_the_model_are_not_drawn(tmp_path):
+    """Razor's retrieval heads keep everything: ratios at or under their share are a 400 on that
+    model's server, so the soak draws only the ones it accepts (the smallest it accepts if none)."""
+    from tests.helpers.tiny_llama import make_tiny_llama
+    from vllm_kvcomp.calibration.profiles import ModelIdentity, RetrievalHeadsProfile, save_profile
+
+    path = make_tiny_llama(tmp_path / "llama", num_layers=3, num_kv_heads=2)
+    model = ModelIdentity.from_model_dir(path)
+    save_profile(RetrievalHeadsProfile(model=model, kv_heads=frozenset({(0, 1), (2, 0)})), model_dir=path)  # 2 of 6
+    labels = ["none", "snapkv", "razor", "streamingllm"]
+    assert soak.feasible_ratios(path, labels, [0.125, 0.25, 0.5]) == {"razor": [0.5]}
+    assert soak.feasible_ratios(path, labels, [0.125, 0.25]) == {"razor": [0.34]}
+    source = soak.Drawer(0, labels, [0.125, 0.25, 0.5], (256, 4096), (16, 256), MAX_LEN, label_ratios={"razor": [0.5]})
+    drawn = [d for d in (source.draw() for _ in range(400)) if d.malformed is None]
+    assert {d.ratio for d in drawn if d.label == "razor"} == {0.5}
+    assert {d.ratio for d in drawn if d.label == "snapkv"} == {0.125, 0.25, 0.5}

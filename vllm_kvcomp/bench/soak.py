@@ -54,19 +54,21 @@ import statistics
 import string
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from vllm_kvcomp.bench.common import module_main, write_report
 from vllm_kvcomp.bench.serving import HEADER, gauges, served
+from vllm_kvcomp.params import SpecError
 from vllm_kvcomp.policies.registry import (
     NO_COMPRESSION_WORDS,
     POLICY_NAMES,
     get_policy_class,
     streaming_policy_names,
 )
+from vllm_kvcomp.spec import CompressionSpec
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 BLOCK_SIZE = 32  # what bench.serving.served runs
@@ -205,11 +207,15 @@ class Drawer:
     """Draws requests at random from one seeded generator (the same seed, the same sequence)."""
 
     def __init__(self, seed: int, labels: Sequence[str], ratios: Sequence[float], prompt: tuple[int, int],
-                 output: tuple[int, int], max_len: int, shares: Shares | None = None):
+                 output: tuple[int, int], max_len: int, shares: Shares | None = None,
+                 label_ratios: Mapping[str, Sequence[float]] | None = None):
+        """``label_ratios``: a policy's own ratios where the server refuses some of ``ratios`` (razor's
+        profile), else ``ratios``."""
         if not labels:
             raise ValueError("no policy to draw from")
         self.rng = random.Random(seed)
         self.labels, self.ratios, self.prompt, self.output = list(labels), list(ratios), prompt, output
+        self.label_ratios = {label: list(values) for label, values in (label_ratios or {}).items()}
         self.shares = shares or Shares()
         self.streaming = set(streaming_policy_names())
         kinds: dict[str, list[Malformed]] = {}
@@ -230,7 +236,7 @@ class Drawer:
             return Draw(index, "malformed", malformed=rng.choice(self.malformed[kind]))
         label = rng.choice(self.labels)
         params = {} if label == NO_HEADER else get_policy_class(label).accepted_params()
-        ratio = rng.choice(self.ratios) if "ratio" in params else None
+        ratio = rng.choice(self.label_ratios.get(label, self.ratios)) if "ratio" in params else None
         prefill_stream = label in self.streaming and rng.random() < shares.prefill_stream
         in_body = label != NO_HEADER and rng.random() < shares.in_body
         route = "completions" if self.follow is not None or rng.random() >= shares.chat else "chat"
@@ -716,6 +722,32 @@ def usable_policies(model_dir: Path) -> tuple[str, ...]:
     return OperatorConfig.for_server(None, str(model_dir)).usable_policies()
 
 
+def feasible_ratios(model_dir: Path, labels: Sequence[str], ratios: Sequence[float]) -> dict[str, list[float]]:
+    """Per policy that refuses some of ``ratios`` on this model's server (razor: its retrieval heads
+    alone hold more), the ones it accepts; the smallest it accepts, rounded up to a hundredth, if
+    none."""
+    from vllm_kvcomp.server.operator_config import OperatorConfig
+    from vllm_kvcomp.server.protocol import check_fit
+
+    config = OperatorConfig.for_server(None, str(model_dir))
+    out: dict[str, list[float]] = {}
+    for label in labels:
+        if label == NO_HEADER or "ratio" not in get_policy_class(label).accepted_params():
+            continue
+
+        def accepted(ratio: float, label: str = label) -> bool:
+            try:
+                check_fit(config, config.resolve(CompressionSpec(policy=label, ratio=ratio)))
+            except SpecError:
+                return False
+            return True
+
+        kept = [r for r in ratios if accepted(r)]
+        if len(kept) < len(ratios):
+            out[label] = kept or [next(r / 100 for r in range(1, 101) if accepted(r / 100))]
+    return out
+
+
 def policy_labels(wanted: str, usable: Sequence[str]) -> tuple[list[str], list[str]]:
     """(labels to draw from, registered policies left out because the model cannot use them);
     ``all`` is ``none`` plus every registered policy."""
@@ -757,9 +789,11 @@ def soak_run(args: argparse.Namespace, name: str, labels: list[str], left_out: l
     from vllm_kvcomp.eval.tasks.sizing import load_counter
 
     vocab, _ = model_facts(model_dir)
-    drawer = Drawer(args.seed, labels, [float(r) for r in args.ratios.split(",")], (args.min_prompt, args.max_prompt),
+    ratios = [float(r) for r in args.ratios.split(",")]
+    drawer = Drawer(args.seed, labels, ratios, (args.min_prompt, args.max_prompt),
                     (args.min_output, args.max_output), args.max_len,
-                    Shares(abort=args.abort_share, malformed=args.malformed_share, repeat=args.repeat_share))
+                    Shares(abort=args.abort_share, malformed=args.malformed_share, repeat=args.repeat_share),
+                    label_ratios=feasible_ratios(model_dir, labels, ratios))
     prompts = Prompts(args.seed, vocab, load_counter(model_dir), drawer.doc_tokens)
     log = args.logs / f"soak_{name}.log"
     extra = ["--served-model-name", args.served_name, "--max-num-seqs", str(args.clients + args.wave_clients)]
@@ -770,7 +804,7 @@ def soak_run(args: argparse.Namespace, name: str, labels: list[str], left_out: l
         asyncio.run(_soak(soak, name))
         alive, log_size = soak.processes.api.is_running(), log.stat().st_size
         engine_pids = soak.processes.snapshot()[1]
-    settings = {key: getattr(args, key) for key in SETTINGS}
+    settings = {key: getattr(args, key) for key in SETTINGS} | {"label_ratios": drawer.label_ratios}
     return RunData(name, args.command, labels, left_out, settings, soak.results, soak.samples, soak.idles, soak.waves,
                    soak.now(), alive, log_errors(log, log_size), reap(engine_pids))
 
@@ -956,6 +990,14 @@ def error_lines(run: RunData) -> list[str]:
     return lines
 
 
+def _own_ratios(label_ratios: Mapping[str, Sequence[float]] | None) -> str:
+    """`` (razor: 0.5, the only ones it accepts on this model)`` or nothing."""
+    if not label_ratios:
+        return ""
+    own = "; ".join(f"{label}: {','.join(f'{r:g}' for r in values)}" for label, values in label_ratios.items())
+    return f" ({own}: the only ones the server accepts for it on this model)"
+
+
 def render(runs: Sequence[RunData], plot: Path | None) -> str:
     """The markdown report: key figures side by side, then each run's tables."""
     first = runs[0]
@@ -966,7 +1008,7 @@ def render(runs: Sequence[RunData], plot: Path | None) -> str:
              f"{s['duration']:g} s of load, waves of {s['wave_clients']} more for {s['wave_seconds']:g} s every "
              f"{s['wave_every']:g} s, idle points every {s['idle_every']:g} s of load; prompts "
              f"{s['min_prompt']}–{s['max_prompt']} tokens, outputs {s['min_output']}–{s['max_output']}, ratios "
-             f"{s['ratios']}; {s['abort_share']:.0%} aborted by the client, {s['malformed_share']:.0%} malformed, "
+             f"{s['ratios']}{_own_ratios(s.get('label_ratios'))}; {s['abort_share']:.0%} aborted by the client, {s['malformed_share']:.0%} malformed, "
              f"{s['repeat_share']:.0%} of completions start with a shared document; seed {s['seed']}. "
              f"RSS slopes fit the samples after {s['warmup']:g} s.", ""]
     lines += [f"- {run.name}: policies {', '.join(run.labels)}" + (
