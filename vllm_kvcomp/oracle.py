@@ -18,10 +18,11 @@ request, greedy decoding. The timing, which the vLLM integration must reproduce 
    ``[H_kv, N]`` (logical, -1 where invalid), the last ``w = policy.queries_needed()`` post-RoPE
    queries ``[H_q, w, D]`` (fewer if fewer were processed; None if w = 0) with their
    ``query_positions``, ``layer``, ``num_layers`` and the attention ``scale``. Then
-   ``policy.select(layers, state)`` runs once for all layers with the request's single
+   ``policy.decide(layers, state)`` runs once for all layers with the request's single
    :class:`~vllm_kvcomp.policies.base.RequestState` (``prompt_len`` = P; with a ``block_size``,
    ``page_quantum = (block_size, M % block_size)`` for M tokens processed, so every head keeps a
-   count on the engine's page grid, rounded up with its next-best tokens); afterwards the oracle
+   count on the engine's page grid: the policy's picks rounded up with its next-best tokens,
+   exactly as the engine rounds them); afterwards the oracle
    increments ``state.compressions``. Each head keeps exactly the selected slots, in order. A
    returned ``Compensation`` replaces the layer's compensation entries (k̂, v̂, N_d per head);
    ``None`` leaves earlier ones unchanged.
@@ -319,7 +320,7 @@ def _compress(
     state.page_quantum = None if block_size is None else (block_size, num_tokens % block_size)
     layers = session.compressed_layers()
     views = [session.store(i).as_layer_kv(i, session.num_layers, session.window) for i in layers]
-    selections = policy.select(views, state)
+    selections = policy.decide(views, state)
     if len(selections) != len(layers):
         raise ValueError(f"policy {policy.name!r} returned {len(selections)} selections for {len(layers)} layers")
     state.compressions += 1

@@ -36,7 +36,7 @@ def test_probe_measures_window_and_answer_attention_and_what_a_policy_keeps() ->
     probe = Probe(prompt_len=8, window=2, digits=(8, 9), needle=(2, 3), key=(1,),
                   policies={"streamingllm": StreamingLLM(budget=3, sink=1)})
     assert probe.queries_needed() == 10 - (8 - 2)
-    kept = probe.select([kv], RequestState())
+    kept = probe.decide([kv], RequestState())
     assert kept[0].indices[0].tolist() == list(range(10))  # the probe itself keeps everything
     assert probe.stats["observe"][0][0] == pytest.approx(0.2, abs=1e-6)
     assert probe.stats["retrieve"][0][0] == pytest.approx(0.8, abs=1e-6)

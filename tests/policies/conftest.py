@@ -209,7 +209,7 @@ def compressions(policy: Policy, request: FakeRequest, decode_steps: int = 0) ->
             if not (policy.RECOMPRESSES and policy.due(state, request.max_live(), steps_since)):
                 continue
         layers = request.layers(window)
-        selections = policy.select(layers, state)
+        selections = policy.decide(layers, state)
         yield Compression(layers, selections, state, [[n + step for n in heads] for heads in prompt])
         request.apply(selections)
         steps_since = 0

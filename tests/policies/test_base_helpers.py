@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from vllm_kvcomp.policies.base import LayerKV, RequestState, SlotMemory, keep_pinned
+from vllm_kvcomp.policies.base import (
+    LayerKV,
+    RequestState,
+    Selection,
+    SlotMemory,
+    keep_pinned,
+    page_count,
+    round_to_pages,
+)
 from vllm_kvcomp.policies.streamingllm import StreamingLLM
 
 
@@ -34,24 +42,42 @@ def test_keep_pinned():
 
 
 def test_page_rounding_adds_the_next_best_live_slots():
-    state = RequestState(page_quantum=(4, 3))  # kept counts must be ≡ 3 (mod 4)
+    quantum = (4, 3)  # kept counts must be ≡ 3 (mod 4)
     priority = torch.tensor([[9.0, 0, 5, 1, 7, 7, 2, 0], [0, 0, 0, 0, 1, 1, 3, 3]])
-    lengths = torch.tensor([8, 4])  # head 1 lives in slots [4, 8)
-    chosen = [torch.tensor([0, 4]), torch.tensor([6])]
-    padded = state.pad(chosen, priority, lengths)
+    kv = LayerKV(torch.zeros(2, 8, 2), torch.zeros(2, 8, 2), lengths=torch.tensor([8, 4]))  # head 1: slots [4, 8)
+    pick = Selection([torch.tensor([0, 4]), torch.tensor([6])], priority=priority)
+    padded = round_to_pages(pick, kv, quantum).indices
     assert padded[0].tolist() == [0, 4, 5]  # 2 -> 3 kept: slot 5 has the best free priority
     assert padded[1].tolist() == [5, 6, 7]  # 1 -> 3: slot 7, then 5 over 4 (equal priority, later slot)
-    assert [state.page_count(k, 8) for k in (0, 3, 4, 7, 8)] == [3, 3, 7, 7, 8]
-    assert RequestState().pad(chosen, priority, lengths) == chosen
+    assert [page_count(k, 8, quantum) for k in (0, 3, 4, 7, 8)] == [3, 3, 7, 7, 8]
+    assert round_to_pages(pick, kv, None) is pick
+    recent = round_to_pages(Selection(pick.indices), kv, quantum).indices  # no priority: the most recent
+    assert recent[0].tolist() == [0, 4, 7] and recent[1].tolist() == [5, 6, 7]
+
+
+def test_decide_rounds_every_policys_pick_and_commits_what_is_kept():
+    """A policy picks; :meth:`Policy.decide` rounds to the grid (the policy never does) and hands
+    the rounded selection to :meth:`commit_kept`."""
+    seen = []
+
+    class Picky(StreamingLLM):
+        def commit_kept(self, layers, state, picks, kept):
+            seen.append(([p.counts().tolist() for p in picks], [k.counts().tolist() for k in kept]))
+
+    kv = LayerKV(torch.zeros(2, 30, 2), torch.zeros(2, 30, 2))
+    state = RequestState(page_quantum=(8, 30 % 8))
+    (kept,) = Picky(budget=10, sink=2).decide([kv], state)
+    assert kept.counts().tolist() == [14, 14]  # 10 -> 14 ≡ 30 (mod 8)
+    assert seen == [([[10, 10]], [[14, 14]])]
 
 
 def test_budget_above_prompt_is_kept_for_decode():
     policy = StreamingLLM(budget=100)
     state = RequestState()
-    sel = policy.select_layer(LayerKV(torch.zeros(1, 30, 2), torch.zeros(1, 30, 2)), state)
+    sel = policy.decide([LayerKV(torch.zeros(1, 30, 2), torch.zeros(1, 30, 2))], state)[0]
     assert sel.counts().tolist() == [30]
     assert state.budget == 100
     assert not policy.due(state, 60, 20) and policy.due(state, 101, 20)
     ratio_state = RequestState()
-    StreamingLLM(ratio=0.5).select_layer(LayerKV(torch.zeros(1, 30, 2), torch.zeros(1, 30, 2)), ratio_state)
+    StreamingLLM(ratio=0.5).decide([LayerKV(torch.zeros(1, 30, 2), torch.zeros(1, 30, 2))], ratio_state)[0]
     assert ratio_state.budget == 15

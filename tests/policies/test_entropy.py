@@ -14,6 +14,7 @@ from tests.policies.conftest import SHAPE_IDS, SHAPES, compressions, make_policy
 from vllm_kvcomp.policies.base import LayerKV, RequestState
 from vllm_kvcomp.policies.entropy import (
     EntropyBudget,
+    EntropyMemory,
     attention_entropy,
     entropy_budgets,
     split_layer_budget,
@@ -106,7 +107,7 @@ def test_flat_layer_gets_more_budget_and_mean_is_target():
     layers = _layers()
     policy = EntropyBudget(ratio=0.25, window=4)
     state = RequestState()
-    selections = policy.select(layers, state)
+    selections = policy.decide(layers, state)
     counts = [sel.counts()[0].item() for sel in selections]
     assert counts[0] > counts[1]
     assert sum(counts) == 2 * policy.kept_for(64)
@@ -116,7 +117,7 @@ def test_flat_layer_gets_more_budget_and_mean_is_target():
 def test_shared_set_is_sink_top_and_recent():
     layers = _layers()
     policy = EntropyBudget(ratio=0.25, window=4, min_ratio=0.75)
-    selections = policy.select(layers, RequestState())
+    selections = policy.decide(layers, RequestState())
     kv, sel = layers[1], selections[1]
     budget = len(sel.indices[0])
     sink, top, recent = split_layer_budget(budget)
@@ -136,7 +137,7 @@ def test_decode_slides_recent_and_keeps_pinned():
     layers = _layers()
     policy = EntropyBudget(ratio=0.25, window=4, interval=5)
     state = RequestState()
-    selections = policy.select(layers, state)
+    selections = policy.decide(layers, state)
     grown = []
     kept_before = []
     for kv, sel in zip(layers, selections):
@@ -147,7 +148,7 @@ def test_decode_slides_recent_and_keeps_pinned():
         pos = torch.cat([idx, torch.arange(64, 69)]).expand(2, -1)
         grown.append(LayerKV(keys, values, layer=kv.layer, num_layers=2, positions=pos))
     assert policy.due(state, max(g.num_slots for g in grown), 5)
-    for g, sel, before in zip(grown, policy.select(grown, state), kept_before):
+    for g, sel, before in zip(grown, policy.decide(grown, state), kept_before):
         budget = len(before)
         sink, top, recent = split_layer_budget(budget)
         kept = g.slot_positions()[0, sel.indices[0]].tolist()
@@ -167,7 +168,7 @@ def test_every_head_keeps_its_layer_budget_with_sink_and_recent(n, heads, group,
     for done in compressions(policy, request, decode_steps=40):
         for kv, sel in zip(done.layers, done.selections):
             check_indices(kv, sel)
-            budget = done.state.layer(kv.layer)["budget"]
+            budget = done.state.layer(kv.layer, EntropyMemory).budget
             sink, _, recent = split_layer_budget(budget)
             lengths = kv.valid_lengths().tolist()
             assert sel.counts().tolist() == [min(budget, length) for length in lengths]
@@ -192,11 +193,11 @@ def test_the_request_holds_the_ratio_within_a_page(ratio, n):
         layers.append(LayerKV(keys, values, layer=layer, num_layers=6, queries=queries))
     policy = EntropyBudget(ratio=ratio, window=window)
     budget = policy.kept_for(n)
-    plain = torch.cat([sel.counts() for sel in policy.select(layers, RequestState(prompt_len=n))])
+    plain = torch.cat([sel.counts() for sel in policy.decide(layers, RequestState(prompt_len=n))])
     assert len(set(plain.tolist())) > 2, "the layers did not get different budgets"
     assert int(plain.sum()) == budget * 6 * heads
     assert policy.mean_kept_bound(n, num_heads=6 * heads) == budget
     state = RequestState(prompt_len=n, page_quantum=(32, n % 32))
-    paged = torch.cat([sel.counts() for sel in policy.select(layers, state)]).float()
+    paged = torch.cat([sel.counts() for sel in policy.decide(layers, state)]).float()
     assert budget <= float(paged.mean()) < budget + 32
     assert abs(float(paged.mean()) / n - ratio) <= 32 / n

@@ -84,5 +84,5 @@ def test_adaptive_heads_keep_the_layer_total(fake_request):
     policy = make_policy("expected_attention", heads="adaptive")
     request = fake_request(60, 3, 2, seed=6)
     state = RequestState(prompt_len=60)
-    for sel in policy.select(request.layers(policy.queries_needed()), state):
+    for sel in policy.decide(request.layers(policy.queries_needed()), state):
         assert int(sel.counts().sum()) == 3 * state.budget

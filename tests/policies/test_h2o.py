@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm_kvcomp.policies.base import LayerKV, RequestState
-from vllm_kvcomp.policies.h2o import H2O
+from vllm_kvcomp.policies.h2o import H2O, H2OMemory
 
 
 def _group_attention(queries, qpos, keys, kpos) -> torch.Tensor:
@@ -41,7 +41,7 @@ def test_accumulators_over_two_compressions():
     kv = LayerKV(keys, values, positions=pos.unsqueeze(0), queries=queries[:, -6:], query_positions=qpos[-6:])
     acc1 = _group_attention(queries[:, -6:], qpos[-6:], keys[0], pos)
     assert torch.allclose(policy.score(kv, RequestState()), acc1.unsqueeze(0), atol=1e-5)
-    idx = policy.select_layer(kv, state).indices[0]
+    idx = policy.decide([kv], state)[0].indices[0]
     assert len(idx) == 12 and 0 in idx.tolist() and idx[-6:].tolist() == list(range(24, 30))
     middle = [i for i in range(1, 24) if i not in idx.tolist()]
     assert min(acc1[i] for i in idx[1:-6].tolist()) >= max(acc1[i] for i in middle)
@@ -56,9 +56,9 @@ def test_accumulators_over_two_compressions():
     carried = torch.cat([acc1[idx], torch.zeros(4)])
     expected = carried + _group_attention(queries[:, -4:], qpos[-4:], keys2[0], pos2)
     assert torch.allclose(policy.score(kv2, state), expected.unsqueeze(0), atol=1e-5)
-    idx2 = policy.select_layer(kv2, state).indices[0]
+    idx2 = policy.decide([kv2], state)[0].indices[0]
     assert len(idx2) == 12
-    memory = state.layer(0)["acc"]
+    memory = state.layer(0, H2OMemory).acc
     assert memory.positions[0].tolist() == pos2[idx2].tolist()
     assert torch.allclose(memory.values[0], expected[idx2], atol=1e-5)
 
@@ -69,8 +69,8 @@ def test_same_window_twice_adds_nothing():
     keys, values = torch.randn(2, 20, 4, generator=gen), torch.randn(2, 20, 4, generator=gen)
     kv = LayerKV(keys, values, queries=torch.randn(2, 4, 4, generator=gen))
     state = RequestState()
-    sel = policy.select_layer(kv, state)
-    before = state.layer(0)["acc"].values.clone()
+    sel = policy.decide([kv], state)[0]
+    before = state.layer(0, H2OMemory).acc.values.clone()
     idx = sel.indices
     kept = LayerKV(
         torch.stack([keys[h, idx[h]] for h in range(2)]),
@@ -79,9 +79,9 @@ def test_same_window_twice_adds_nothing():
         queries=kv.queries,
         query_positions=torch.arange(16, 20),
     )
-    again = policy.select_layer(kept, state)
+    again = policy.decide([kept], state)[0]
     assert all(len(i) == 10 for i in again.indices)
-    assert torch.allclose(state.layer(0)["acc"].values, before)
+    assert torch.allclose(state.layer(0, H2OMemory).acc.values, before)
 
 
 def _one_hot(positions: list[int], probs: list[float], query_pos: int, dim: int = 8) -> LayerKV:
@@ -108,11 +108,11 @@ def test_accumulator_is_the_sum_over_queries_as_in_the_authors_code():
     policy = H2O(budget=4, window=1, interval=1)
     state = RequestState()
     first = _one_hot([0, 1, 2, 3, 4, 5], [0.08, 0.4, 0.3, 0.12, 0.05, 0.05], 5)
-    assert policy.select_layer(first, state).indices[0].tolist() == [1, 2, 3, 5]
+    assert policy.decide([first], state)[0].indices[0].tolist() == [1, 2, 3, 5]
     second = _one_hot([1, 2, 3, 5, 6], [0.1, 0.05, 0.05, 0.2, 0.6], 6)
     assert policy.score(second, state)[0].tolist() == pytest.approx([0.5, 0.35, 0.17, 0.25, 0.6],
                                                                     abs=1e-6)
-    kept = policy.select_layer(second, state).indices[0]
+    kept = policy.decide([second], state)[0].indices[0]
     assert second.positions[0, kept].tolist() == [1, 2, 5, 6]
 
 
@@ -127,4 +127,4 @@ def test_budget_rounds_up_where_the_references_truncate(ratio, n, kept, truncate
     kv = LayerKV(torch.randn(1, n, 4, generator=gen), torch.randn(1, n, 4, generator=gen),
                  queries=torch.randn(1, 1, 4, generator=gen))
     assert int(ratio * n) == truncated
-    assert len(H2O(ratio=ratio, window=1).select_layer(kv, RequestState()).indices[0]) == kept
+    assert len(H2O(ratio=ratio, window=1).decide([kv], RequestState())[0].indices[0]) == kept

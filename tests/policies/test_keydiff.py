@@ -48,7 +48,7 @@ def test_keeps_the_keys_least_like_the_others_whatever_their_norm():
     keys[0, 9] = torch.tensor([0.0, 1.0, 0.0])
     keys[0, 10] = torch.tensor([-1.0, 0.0, 0.0])
     kv = LayerKV(keys, torch.ones(1, 11, 3, dtype=torch.float64))
-    (selection,) = KeyDiff(budget=2).select([kv], RequestState())
+    (selection,) = KeyDiff(budget=2).decide([kv], RequestState())
     assert selection.indices[0].tolist() == [9, 10]
     scaled = KeyDiff().score(kv, RequestState())
     keys[0, 4] /= 100.0
@@ -58,7 +58,7 @@ def test_keeps_the_keys_least_like_the_others_whatever_their_norm():
 def test_sink_and_window_are_kept(fake_request):
     policy = make_policy("keydiff", ratio=0.25, sink=3, window=5)
     request = fake_request(40, 2, 1, seed=4)
-    for sel in policy.select(request.layers(0), RequestState(prompt_len=40)):
+    for sel in policy.decide(request.layers(0), RequestState(prompt_len=40)):
         for idx in sel.indices:
             assert {0, 1, 2, 35, 36, 37, 38, 39} <= set(idx.tolist()) and len(idx) == 10
 

@@ -12,7 +12,7 @@ import torch
 from tests.policies.conftest import SHAPE_IDS, SHAPES, compressions, make_policy, protected_slots
 from vllm_kvcomp.params import kept_count
 from vllm_kvcomp.policies.base import LayerKV, RequestState
-from vllm_kvcomp.policies.lagkv import LagKV, lag_keep, lagkv_retained, lagkv_scores
+from vllm_kvcomp.policies.lagkv import LagKV, LagKVMemory, lag_keep, lagkv_retained, lagkv_scores
 from vllm_kvcomp.spec import CompressionSpec
 
 
@@ -83,7 +83,7 @@ def test_retained_length_matches_eq10_grid(sink, lag):
         assert policy.mean_kept_bound(sink + 5 * lag) == _eq10(sink + 5 * lag, sink, lag, ratio)
         for n in range(0, sink + 5 * lag + 2):
             kv = _layer(n, seed=n)
-            sel = policy.select_layer(kv, RequestState())
+            sel = policy.decide([kv], RequestState())[0]
             expected = _eq10(n, sink, lag, ratio)
             assert sel.counts().tolist() == [expected, expected], (n, sink, lag, ratio)
             assert lagkv_retained(n, sink, lag, ratio) == expected
@@ -116,7 +116,7 @@ def test_small_ratio_keeps_one_token_per_scored_partition():
     """24 tokens, sink 0, lag 8, r = 0.1: partitions 0 and 1 are scored and keep 1 token each,
     partition 2 is the window: 1 + 1 + 8 = 10 (the authors' int(0.8) = 0 would keep 8)."""
     kv = _layer(24, heads=1, dim=4, seed=11)
-    kept = LagKV(ratio=0.1, sink=0, lag=8, exact=1).select_layer(kv, RequestState()).indices[0].tolist()
+    kept = LagKV(ratio=0.1, sink=0, lag=8, exact=1).decide([kv], RequestState())[0].indices[0].tolist()
     assert len(kept) == 10 and kept[-8:] == list(range(16, 24))
     assert 0 <= kept[0] < 8 <= kept[1] < 16
     assert lagkv_retained(24, 0, 8, 0.1) == 10
@@ -125,7 +125,7 @@ def test_small_ratio_keeps_one_token_per_scored_partition():
 def test_keeps_top_scores_per_partition_and_the_tail():
     sink, lag, ratio, n = 3, 5, 0.4, 3 + 4 * 5 + 2
     kv = _layer(n, heads=2, dim=4, seed=7)
-    sel = LagKV(ratio=ratio, sink=sink, lag=lag, exact=1).select_layer(kv, RequestState())
+    sel = LagKV(ratio=ratio, sink=sink, lag=lag, exact=1).decide([kv], RequestState())[0]
     keep = lag_keep(lag, ratio)
     for h in range(2):
         expected = list(range(sink))
@@ -152,8 +152,8 @@ def test_recursive_decode_keeps_eq10_and_old_partitions():
     for total in range(30, 90):
         kv = LayerKV(keys, values, positions=positions)
         if total == 30 or policy.due(state, keys.shape[1], 1):
-            old_prefix = positions[0, : state.layer(0).get("compressed", 0)].tolist()
-            idx = policy.select_layer(kv, state).indices[0]
+            old_prefix = positions[0, : state.layer(0, LagKVMemory).compressed or 0].tolist()
+            idx = policy.decide([kv], state)[0].indices[0]
             keys, values, positions = keys[:, idx], values[:, idx], positions[:, idx]
             assert positions[0, : len(old_prefix)].tolist() == old_prefix, "compressed tokens changed"
             compressions += 1
@@ -170,11 +170,11 @@ def test_short_prompt_sink_grows_in_decode():
     policy = LagKV(ratio=0.5, sink=6, lag=2, exact=1)
     kv = _layer(3, heads=1)
     state = RequestState()
-    assert policy.select_layer(kv, state).counts().tolist() == [3]
+    assert policy.decide([kv], state)[0].counts().tolist() == [3]
     n = 6 + 2 * 2  # sink filled + two partitions: the first one compresses
     keys, values = torch.randn(1, n, 6), torch.randn(1, n, 6)
     assert policy.due(state, n, 1)
-    sel = policy.select_layer(LayerKV(keys, values), state)
+    sel = policy.decide([LayerKV(keys, values)], state)[0]
     assert sel.indices[0].tolist()[:6] == list(range(6))
     assert sel.counts().tolist() == [_eq10(n, 6, 2, 0.5)]
 
@@ -189,8 +189,8 @@ def test_a_lag_that_compresses_nothing_is_refused(settings):
         CompressionSpec.from_mapping({"policy": "lagkv", **settings})
     assert info.value.field == "lag" and "[2, 65536]" in str(info.value)
     kv = _layer(40, heads=1)
-    assert LagKV(ratio=0.1, sink=0, lag=1, exact=1).select_layer(kv, RequestState()).counts().tolist() == [40]
-    kept = LagKV.from_settings({"lag": 2, "ratio": 0.5, "sink": 0, "exact": 1}).select_layer(kv, RequestState()).counts()
+    assert LagKV(ratio=0.1, sink=0, lag=1, exact=1).decide([kv], RequestState())[0].counts().tolist() == [40]
+    kept = LagKV.from_settings({"lag": 2, "ratio": 0.5, "sink": 0, "exact": 1}).decide([kv], RequestState())[0].counts()
     assert kept.tolist() == [_eq10(40, 0, 2, 0.5)] and kept.item() < 40
 
 
@@ -229,7 +229,7 @@ def test_every_prompt_keeps_ceil_ratio_of_its_length(sink, lag):
     for ratio in (1.0, 0.5, 0.25, 0.167, 0.125):
         policy = LagKV(ratio=ratio, sink=sink, lag=lag)
         for n in range(1, sink + 5 * lag + 2):
-            sel = policy.select_layer(_layer(n, seed=n), RequestState(prompt_len=n))
+            sel = policy.decide([_layer(n, seed=n)], RequestState(prompt_len=n))[0]
             expected = kept_count(n, ratio, None)
             assert sel.counts().tolist() == [expected, expected], (n, sink, lag, ratio)
             assert policy.mean_kept_bound(n, 6) == expected <= policy.streaming_bound(n)
@@ -241,7 +241,7 @@ def test_the_scored_partitions_share_what_sink_and_tail_leave():
     best-scored tokens (eq. 5–9 against the next partition)."""
     sink, lag, n = 3, 5, 25
     kv = _layer(n, heads=2, dim=4, seed=7)
-    sel = LagKV(ratio=0.6, sink=sink, lag=lag).select_layer(kv, RequestState(prompt_len=n))
+    sel = LagKV(ratio=0.6, sink=sink, lag=lag).decide([kv], RequestState(prompt_len=n))[0]
     for h in range(2):
         expected = list(range(sink))
         for p, keep in enumerate((1, 2, 2)):
@@ -260,7 +260,7 @@ def test_the_scored_partitions_share_what_sink_and_tail_leave():
 ])
 def test_when_sink_and_tail_do_not_fit_the_tail_keeps_its_newest(ratio, kept):
     kv = _layer(25, heads=1, dim=4, seed=3)
-    sel = LagKV(ratio=ratio, sink=3, lag=5).select_layer(kv, RequestState(prompt_len=25))
+    sel = LagKV(ratio=ratio, sink=3, lag=5).decide([kv], RequestState(prompt_len=25))[0]
     assert sel.indices[0].tolist() == kept
 
 
@@ -277,8 +277,8 @@ def test_decode_recompression_keeps_ceil_ratio_of_the_tokens_seen(sink, lag, rat
     done = 0
     for total in range(prompt, prompt + 12 * lag):
         if total == prompt or policy.due(state, keys.shape[1], 1):
-            old = positions[0, : state.layer(0).get("compressed", 0)].tolist()
-            idx = policy.select_layer(LayerKV(keys, values, positions=positions), state).indices[0]
+            old = positions[0, : state.layer(0, LagKVMemory).compressed or 0].tolist()
+            idx = policy.decide([LayerKV(keys, values, positions=positions)], state)[0].indices[0]
             keys, values, positions = keys[:, idx], values[:, idx], positions[:, idx]
             assert positions[0, : len(old)].tolist() == old, "compressed tokens changed"
             assert keys.shape[1] == kept_count(total, ratio, None), total
@@ -303,7 +303,7 @@ def test_page_rounding_does_not_pile_up_in_decode(exact):
     for total in range(100, 100 + 40 * lag):
         if total == 100 or policy.due(state, keys.shape[1], 1):
             state.page_quantum = (block, total % block)
-            idx = policy.select_layer(LayerKV(keys, values, positions=positions), state).indices[0]
+            idx = policy.decide([LayerKV(keys, values, positions=positions)], state)[0].indices[0]
             keys, values, positions = keys[:, idx], values[:, idx], positions[:, idx]
             target = kept_count(total, 0.25, None) if not exact else lagkv_retained(total, 4, lag, 0.25)
             over.append(keys.shape[1] - target)
@@ -322,7 +322,7 @@ def test_prefill_stream_keeps_what_the_prompt_end_compression_keeps(ratio):
     policy = LagKV(ratio=ratio, sink=4, lag=8)
     gen = torch.Generator().manual_seed(2)
     keys, values = torch.randn(2, n, 6, generator=gen), torch.randn(2, n, 6, generator=gen)
-    whole = policy.select_layer(LayerKV(keys, values), RequestState(prompt_len=n)).indices
+    whole = policy.decide([LayerKV(keys, values)], RequestState(prompt_len=n))[0].indices
     state = RequestState(prompt_len=n)
     held = torch.empty(2, 0, dtype=torch.long)  # kept positions per head (equal counts)
     peak = 0
@@ -332,7 +332,7 @@ def test_prefill_stream_keeps_what_the_prompt_end_compression_keeps(ratio):
             kv = LayerKV(keys[0:1, pos[0]].expand(2, -1, -1).clone(), values[0:1, pos[0]].expand(2, -1, -1).clone(),
                          positions=pos)
             kv.keys[1], kv.values[1] = keys[1, pos[1]], values[1, pos[1]]
-            sel = policy.select_layer(kv, state)
+            sel = policy.decide([kv], state)[0]
             pos = torch.stack([pos[h, idx] for h, idx in enumerate(sel.indices)])
             peak = max(peak, pos.shape[1])
         held = pos

@@ -75,7 +75,8 @@ def check_memory(done: Compression) -> None:
     """Per-slot memories hold exactly the kept tokens' positions (gathered with the selection)."""
     for kv, sel in zip(done.layers, done.selections):
         positions = kv.slot_positions()
-        for value in done.state.layer(kv.layer).values():
+        memory = done.state.layers.get(kv.layer)
+        for value in vars(memory).values() if memory is not None else ():
             if not isinstance(value, SlotMemory):
                 continue
             for h, idx in enumerate(sel.indices):
@@ -176,13 +177,13 @@ def test_page_rounding_keeps_a_superset_on_the_page_grid(case, n, group, fake_re
     superset of what it keeps without rounding, through decode recompressions too."""
     block_size = 8
     window = make_case(case).queries_needed()
-    plain = make_case(case).select(fake_request(n, 2, group, seed=n).layers(window),
+    plain = make_case(case).decide(fake_request(n, 2, group, seed=n).layers(window),
                                                 RequestState(prompt_len=n))
     policy = make_case(case)
     request = fake_request(n, 2, group, seed=n)
     state = RequestState(prompt_len=n, page_quantum=(block_size, n % block_size))
     layers = request.layers(window)
-    selections = policy.select(layers, state)
+    selections = policy.decide(layers, state)
     _check_on_page_grid(layers, selections, state)
     for sel, base in zip(selections, plain):
         for idx, base_idx in zip(sel.indices, base.indices):
@@ -195,7 +196,7 @@ def test_page_rounding_keeps_a_superset_on_the_page_grid(case, n, group, fake_re
         if policy.RECOMPRESSES and policy.due(state, request.max_live(), steps_since):
             state.page_quantum = (block_size, request.next_position % block_size)
             layers = request.layers(window)
-            selections = policy.select(layers, state)
+            selections = policy.decide(layers, state)
             for kv, sel in zip(layers, selections):
                 check_indices(kv, sel)
             _check_on_page_grid(layers, selections, state)

@@ -99,7 +99,7 @@ def _plant(kv: LayerKV, slots: list[int], strength: float = 6.0) -> None:
 def test_proximal_always_kept_and_budget_respected():
     layers = _layers()
     policy = POD(ratio=0.5, sink=4, window=8, tau=1.0, observe=4)
-    sels = policy.select(layers, RequestState())
+    sels = policy.decide(layers, RequestState())
     for sel in sels:
         assert sel.counts().tolist() == [32, 32]
         for idx in sel.indices:
@@ -112,12 +112,12 @@ def test_group_layers_keep_the_lowest_layers_distant_choice():
     _plant(layers[0], [10, 20, 30])
     _plant(layers[1], [40, 41, 42])  # layer 1 would choose otherwise on its own
     policy = POD(groups=((0, 1), (2, 3)), budget=4 + 8 + 3, sink=4, window=8, tau=1.0, observe=4)
-    sels = policy.select(layers, RequestState())
+    sels = policy.decide(layers, RequestState())
     distant = lambda sel, h: [i for i in sel.indices[h].tolist() if 4 <= i < 56]  # noqa: E731
     for h in range(2):
         assert distant(sels[0], h) == [10, 20, 30]
         assert distant(sels[1], h) == [10, 20, 30]
-    alone = POD(groups=None, budget=15, sink=4, window=8, tau=1.0, observe=4).select(layers, RequestState())
+    alone = POD(groups=None, budget=15, sink=4, window=8, tau=1.0, observe=4).decide(layers, RequestState())
     assert distant(alone[1], 0) == [40, 41, 42]
     # layers 2 and 3 share layer 2's ranking
     for h in range(2):
@@ -126,8 +126,8 @@ def test_group_layers_keep_the_lowest_layers_distant_choice():
 
 def test_gate_threshold_drops_all_distant_tokens():
     layers = _layers()
-    keep_all = POD(ratio=0.5, sink=4, window=8, tau=1.0).select(layers, RequestState())
-    skip_all = POD(ratio=0.5, sink=4, window=8, tau=0.0).select(layers, RequestState())
+    keep_all = POD(ratio=0.5, sink=4, window=8, tau=1.0).decide(layers, RequestState())
+    skip_all = POD(ratio=0.5, sink=4, window=8, tau=0.0).decide(layers, RequestState())
     assert all(s.counts().tolist() == [32, 32] for s in keep_all)
     expected = list(range(4)) + list(range(56, 64))
     for sel in skip_all:
@@ -143,7 +143,7 @@ def test_gate_is_decided_per_kv_head_from_its_query_group():
     kv.keys[1, 30, 0] = 20.0
     kv.queries.zero_()
     kv.queries[:, :, 0] = 1.0
-    sel = POD(ratio=0.5, sink=4, window=8, tau=0.9).select(layers, RequestState())[0]
+    sel = POD(ratio=0.5, sink=4, window=8, tau=0.9).decide(layers, RequestState())[0]
     assert sel.counts().tolist() == [12, 32]
     assert 30 in sel.indices[1].tolist()
 
@@ -152,9 +152,9 @@ def test_select_layer_and_sharded_groups_use_the_lowest_present_layer():
     layers = _layers()
     _plant(layers[1], [10, 11, 12])
     policy = POD(groups=((0, 1, 2, 3),), budget=15, sink=4, window=8, tau=1.0)
-    sels = policy.select(layers[1:3], RequestState())
+    sels = policy.decide(layers[1:3], RequestState())
     assert [i for i in sels[1].indices[0].tolist() if 4 <= i < 56] == [10, 11, 12]
-    single = policy.select_layer(layers[1], RequestState())
+    single = policy.decide([layers[1]], RequestState())[0]
     assert torch.equal(single.indices[0], sels[0].indices[0])
 
 
@@ -174,13 +174,13 @@ def test_spec_and_validation():
         CompressionSpec.from_header("pod; observe=0")
     assert err.value.field == "observe"
     with pytest.raises(ProfileError, match="consecutive"):
-        POD(groups=((0, 2), (1, 3))).select(_layers(), RequestState())
+        POD(groups=((0, 2), (1, 3))).decide(_layers(), RequestState())
     with pytest.raises(ProfileError):
-        POD(groups=((0, 1),)).select(_layers(), RequestState())
+        POD(groups=((0, 1),)).decide(_layers(), RequestState())
     no_queries = _layers(num_layers=1)
     no_queries[0].queries = None
     with pytest.raises(ValueError, match="queries"):
-        POD().select(no_queries, RequestState())
+        POD().decide(no_queries, RequestState())
 
 
 def test_bind_profile_fills_the_layer_groups():

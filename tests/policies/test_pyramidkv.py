@@ -61,12 +61,12 @@ def test_each_layer_keeps_what_snapkv_keeps_at_that_layers_budget(heads, fake_re
     policy = make_policy("pyramidkv", ratio=0.4, window=6, beta=5, heads=heads)
     layers = request.layers(policy.queries_needed())
     state = RequestState(prompt_len=90)
-    selections = policy.select(layers, state)
+    selections = policy.decide(layers, state)
     budgets = pyramid_budgets(4, math.ceil(0.4 * 90), 90, 6, 5)
     assert len(set(budgets)) == 4 and state.budget == budgets[0]
     for kv, sel, budget in zip(layers, selections, budgets):
         snap = SnapKV(budget=budget, window=6, kernel=policy.kernel, heads=heads)
-        expected = snap.select_layer(kv, RequestState())
+        expected = snap.decide([kv], RequestState())[0]
         assert [i.tolist() for i in sel.indices] == [i.tolist() for i in expected.indices]
         assert int(sel.counts().sum()) == 2 * budget
 
@@ -76,6 +76,6 @@ def test_budgets_run_over_the_layers_given_in_model_order(fake_request):
     request = fake_request(60, 1, 1, num_layers=3, seed=1)
     layers = request.layers(8)
     given = [layers[2], layers[0]]  # layer 1 is sliding-window
-    selections = PyramidKV(ratio=0.5, window=8).select(given, RequestState(prompt_len=60))
+    selections = PyramidKV(ratio=0.5, window=8).decide(given, RequestState(prompt_len=60))
     top, bottom = pyramid_budgets(2, 30, 60, 8, 20)
     assert [len(sel.indices[0]) for sel in selections] == [bottom, top]

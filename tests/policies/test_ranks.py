@@ -48,7 +48,7 @@ def _split_select(policy_factory, layers, states) -> list[list[torch.Tensor]]:
 
     def run(rank: int) -> None:
         halves = [_half(kv, rank) for kv in layers]
-        sels = policy_factory[rank].select(halves, states[rank])
+        sels = policy_factory[rank].decide(halves, states[rank])
         results[rank] = [[kv.positions[h, idx].tolist() for h, idx in enumerate(sel.indices)]
                          for kv, sel in zip(halves, sels)]
 
@@ -80,7 +80,7 @@ def test_two_ranks_keep_what_one_rank_keeps(case, fake_request):
             for state in (whole_state, *states):
                 state.page_quantum = (16, request.next_position % 16)
         layers = request.layers(window)
-        whole = one.select(layers, whole_state)
+        whole = one.decide(layers, whole_state)
         expected = [[kv.positions[h, idx].tolist() for h, idx in enumerate(sel.indices)]
                     for kv, sel in zip(layers, whole)]
         assert _split_select(split, layers, states) == expected, f"{label}: ranks disagree at step {step}"

@@ -31,7 +31,7 @@ def test_non_retrieval_head_keeps_sink_recent_and_mean_compensation(exact, recen
     """exact=1: L_h = max(S0, N/C) = 25 recent tokens; exact=0 (no retrieval heads): 25 in all."""
     kv = _kv(n=100)
     policy = Razor(retrieval_heads=frozenset(), ratio=0.25, sink=4, buffer=10, exact=exact)
-    sel = policy.select_layer(kv, RequestState())
+    sel = policy.decide([kv], RequestState())[0]
     expected = torch.cat([torch.arange(4), torch.arange(100 - recent, 100)])
     for h in range(3):
         assert torch.equal(sel.indices[h], expected)
@@ -43,7 +43,7 @@ def test_non_retrieval_head_keeps_sink_recent_and_mean_compensation(exact, recen
 
 def test_buffer_floor_dominates_for_short_inputs():
     kv = _kv(n=100)
-    sel = Razor(retrieval_heads=frozenset(), ratio=0.1, sink=2, buffer=40, exact=1).select_layer(kv, RequestState())
+    sel = Razor(retrieval_heads=frozenset(), ratio=0.1, sink=2, buffer=40, exact=1).decide([kv], RequestState())[0]
     assert sel.counts().tolist() == [42, 42, 42]
     assert torch.equal(sel.indices[0][2:], torch.arange(60, 100))
     assert sel.compensation.counts.tolist() == [58.0] * 3
@@ -55,14 +55,14 @@ def test_budget_replaces_ratio(exact, kept):
     kv = _kv(n=100)
     policy = CompressionSpec.from_mapping(
         {"policy": "razor", "budget": 30, "buffer": 0, "sink": 4, "exact": exact}).build_policy()
-    sel = policy.select_layer(kv, RequestState())
+    sel = policy.decide([kv], RequestState())[0]
     assert sel.counts().tolist() == [kept] * 3
 
 
 def test_retrieval_heads_keep_everything_without_compensation():
     kv = _kv(n=80, layer=2)
     policy = Razor(retrieval_heads=frozenset({(2, 1), (3, 0)}), ratio=0.2, sink=4, buffer=8, exact=1)
-    sel = policy.select_layer(kv, RequestState())
+    sel = policy.decide([kv], RequestState())[0]
     assert torch.equal(sel.indices[1], torch.arange(80))
     assert sel.compensation.counts[1] == 0
     assert sel.counts().tolist() == [4 + 16, 80, 4 + 16]  # (3, 0) is another layer's head
@@ -71,7 +71,7 @@ def test_retrieval_heads_keep_everything_without_compensation():
 
 def test_ragged_lengths_are_right_aligned():
     kv = _kv(n=50, lengths=torch.tensor([50, 30, 10]))
-    sel = Razor(retrieval_heads=frozenset(), ratio=0.2, sink=2, buffer=6, exact=1).select_layer(kv, RequestState())
+    sel = Razor(retrieval_heads=frozenset(), ratio=0.2, sink=2, buffer=6, exact=1).decide([kv], RequestState())[0]
     assert torch.equal(sel.indices[1], torch.cat([torch.arange(20, 22), torch.arange(44, 50)]))
     torch.testing.assert_close(sel.compensation.keys[1], kv.keys[1, 22:44].mean(0))
     assert sel.compensation.counts.tolist() == [50 - 2 - 10, 30 - 8, 10 - 8]
@@ -80,7 +80,7 @@ def test_ragged_lengths_are_right_aligned():
 
 def test_nothing_to_drop_means_no_compensation():
     kv = _kv(n=20)
-    sel = Razor(retrieval_heads=frozenset(), sink=4, buffer=16, exact=1).select_layer(kv, RequestState())
+    sel = Razor(retrieval_heads=frozenset(), sink=4, buffer=16, exact=1).decide([kv], RequestState())[0]
     assert all(torch.equal(i, torch.arange(20)) for i in sel.indices)
     assert sel.compensation.counts.tolist() == [0.0, 0.0, 0.0]
 
@@ -91,7 +91,7 @@ def test_identical_dropped_tokens_make_compensation_exact():
     kv.keys[:, 4:30] = kv.keys[:, 4:5]
     kv.values[:, 4:30] = kv.values[:, 4:5]
     policy = Razor(retrieval_heads=frozenset(), ratio=0.25, sink=4, buffer=0, exact=1)  # drops slots 4..29
-    sel = policy.select_layer(kv, RequestState())
+    sel = policy.decide([kv], RequestState())[0]
     q = torch.randn(3, 2, 4, dtype=torch.float64)  # decode queries attend to everything
     full, _ = attention_with_lse(q, kv.keys.transpose(0, 1), kv.values.transpose(0, 1), 0.5)
     idx = sel.indices[0]
@@ -139,9 +139,9 @@ def test_bind_profile_fills_the_retrieval_heads():
 
 
 def test_unbound_policy_compresses_every_head():
-    sel = Razor(ratio=0.25, buffer=0).select_layer(_kv(n=64), RequestState())
+    sel = Razor(ratio=0.25, buffer=0).decide([_kv(n=64)], RequestState())[0]
     assert sel.counts().tolist() == [16] * 3
-    sel = Razor(ratio=0.25, buffer=0, exact=1).select_layer(_kv(n=64), RequestState())
+    sel = Razor(ratio=0.25, buffer=0, exact=1).decide([_kv(n=64)], RequestState())[0]
     assert sel.counts().tolist() == [4 + 16] * 3
 
 
@@ -155,7 +155,7 @@ def test_the_mean_over_every_layer_and_head_is_the_ratio(ratio, n):
     """R = 1 retrieval head of T = 6 keeps the prompt; each other head keeps
     ceil((B·T − R·N) / (T − R)), so the mean over all six is B = ceil(ratio·N) (+ < 1)."""
     policy = Razor(retrieval_heads=frozenset({(1, 2)}), ratio=ratio, sink=4, buffer=512)
-    selections = policy.select(_two_layers(n), RequestState(prompt_len=n))
+    selections = policy.decide(_two_layers(n), RequestState(prompt_len=n))
     counts = torch.cat([sel.counts() for sel in selections])
     budget = math.ceil(ratio * n)
     others = math.ceil((budget * 6 - n) / 5)
@@ -166,7 +166,7 @@ def test_the_mean_over_every_layer_and_head_is_the_ratio(ratio, n):
         assert torch.equal(sel.indices[0], torch.cat([torch.arange(4), torch.arange(n - others + 4, n)]))
         assert sel.compensation.counts[0] == n - others
     exact = Razor(retrieval_heads=frozenset({(1, 2)}), ratio=ratio, sink=4, buffer=0, exact=1)
-    held = torch.cat([sel.counts() for sel in exact.select(_two_layers(n), RequestState(prompt_len=n))])
+    held = torch.cat([sel.counts() for sel in exact.decide(_two_layers(n), RequestState(prompt_len=n))])
     assert held.tolist() == [4 + budget] * 5 + [n]  # the paper's window: the retrieval head on top
 
 
@@ -176,7 +176,7 @@ def test_an_infeasible_ratio_keeps_the_floor_and_says_so(caplog):
     n = 120
     policy = Razor(retrieval_heads=frozenset({(0, 0), (1, 2)}), ratio=0.25, sink=4)
     with caplog.at_level("WARNING", logger="vllm_kvcomp.policies.razor"):
-        selections = policy.select(_two_layers(n), RequestState(prompt_len=n))
+        selections = policy.decide(_two_layers(n), RequestState(prompt_len=n))
     counts = torch.cat([sel.counts() for sel in selections]).tolist()
     assert sorted(counts) == [4 + MIN_RECENT] * 4 + [n, n]
     smallest = (2 * n + 4 * (4 + MIN_RECENT)) / (6 * n)
@@ -185,7 +185,7 @@ def test_an_infeasible_ratio_keeps_the_floor_and_says_so(caplog):
     assert policy.mean_kept_bound(n, num_heads=6) == math.ceil(sum(counts) / 6)
     caplog.clear()
     with caplog.at_level("WARNING", logger="vllm_kvcomp.policies.razor"):
-        Razor(retrieval_heads=frozenset({(0, 0), (1, 2)}), ratio=0.4, sink=4).select(
+        Razor(retrieval_heads=frozenset({(0, 0), (1, 2)}), ratio=0.4, sink=4).decide(
             _two_layers(n), RequestState(prompt_len=n))
     assert "infeasible" not in caplog.text
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm_kvcomp.policies.base import LayerKV, RequestState
-from vllm_kvcomp.policies.sagekv import SageKV, sagekv_split
+from vllm_kvcomp.policies.sagekv import SageKV, SageKVMemory, sagekv_split
 
 
 @pytest.mark.parametrize(("group", "expected"), [(4, (2048, 1024, 2048)), (7, (2048, 512, 2560))])
@@ -55,7 +55,7 @@ def test_keeps_union_of_per_query_head_topk(group):
     n, budget = 200, 64
     kv = _layer(n, kv_heads=2, group=group, seed=group)
     state = RequestState()
-    sel = SageKV(budget=budget).select_layer(kv, state)
+    sel = SageKV(budget=budget).decide([kv], state)[0]
     sink, k, recent = sagekv_split(budget, group)
     attn = _last_attention(kv)
     for h in range(2):
@@ -75,7 +75,7 @@ def test_keeps_union_of_per_query_head_topk(group):
 def test_overlapping_topk_fills_with_next_ranks():
     n, budget, group = 120, 32, 4
     kv = _layer(n, kv_heads=1, group=group, seed=5, tie_group=True)
-    sel = SageKV(budget=budget).select_layer(kv, RequestState())
+    sel = SageKV(budget=budget).decide([kv], RequestState())[0]
     sink, k, recent = sagekv_split(budget, group)
     attn = _last_attention(kv)[0, sink : n - recent]
     expected = {sink + int(i) for i in attn.topk(group * k).indices}  # identical heads: plain top G·k
@@ -100,13 +100,13 @@ def test_decode_keeps_sink_and_selection_while_recent_slides():
     kv = _layer(150, kv_heads=1, group=2, seed=3)
     positions = torch.arange(150).unsqueeze(0)
     state = RequestState()
-    idx = policy.select_layer(kv, state).indices[0]
+    idx = policy.decide([kv], state)[0].indices[0]
     sink, _, recent = sagekv_split(40, 2)
     selected = [p for p in positions[0, idx].tolist() if sink <= p < 150 - recent]
     for _ in range(3):
         kv, positions = _grow(kv, positions, idx, 8, gen)
         assert policy.due(state, kv.num_slots, 8)
-        idx = policy.select_layer(kv, state).indices[0]
+        idx = policy.decide([kv], state)[0].indices[0]
         kept = positions[0, idx].tolist()
         last = int(positions[0, -1])
         assert len(kept) == 40
@@ -121,15 +121,15 @@ def test_short_prompt_selects_at_first_decode_recompression():
     kv = _layer(20, kv_heads=1, group=1, seed=4)
     positions = torch.arange(20).unsqueeze(0)
     state = RequestState()
-    idx = policy.select_layer(kv, state).indices[0]
-    assert len(idx) == 20 and "pinned" not in state.layer(0)
+    idx = policy.decide([kv], state)[0].indices[0]
+    assert len(idx) == 20 and state.layer(0, SageKVMemory).pinned is None
     kv, positions = _grow(kv, positions, idx, 20, gen)
-    idx = policy.select_layer(kv, state).indices[0]
+    idx = policy.decide([kv], state)[0].indices[0]
     sink, k, recent = sagekv_split(32, 1)
     attn = _last_attention(kv)[0, sink : 40 - recent]
     expected = {sink + int(i) for i in attn.topk(k).indices}
     assert set(idx.tolist()) == set(range(sink)) | expected | set(range(40 - recent, 40))
-    assert "pinned" in state.layer(0)
+    assert state.layer(0, SageKVMemory).pinned is not None
 
 
 def _probs(top: dict[int, float], n: int = 20) -> list[float]:
@@ -154,7 +154,7 @@ def test_union_per_kv_head_not_a_cache_per_query_head():
     queries = torch.tensor([[math.log(p) for p in head0], [math.log(p) for p in head1]]).unsqueeze(1)
     kv = LayerKV(torch.eye(20).unsqueeze(0), torch.zeros(1, 20, 20), queries=queries, scale=1.0)
     assert sagekv_split(16, 2) == (4, 4, 4)
-    kept = SageKV(budget=16).select_layer(kv, RequestState()).indices[0].tolist()
+    kept = SageKV(budget=16).decide([kv], RequestState())[0].indices[0].tolist()
     assert kept == [0, 1, 2, 3, 5, 6, 7, 8, 9, 10, 11, 12, 16, 17, 18, 19]
     assert {5, 6, 7, 8} <= set(kept) and {7, 8, 9, 10} <= set(kept)  # each head sees its own top-k
 

@@ -74,7 +74,7 @@ def test_pooling_stops_at_the_window_boundary_as_in_the_reference():
     scores = policy.score(kv, RequestState())[0]
     assert scores[3].item() == pytest.approx(0.3, abs=1e-6)
     assert scores[7].item() == pytest.approx(0.0, abs=1e-6)
-    assert policy.select_layer(kv, RequestState()).indices[0].tolist() == [3, 8, 9]
+    assert policy.decide([kv], RequestState())[0].indices[0].tolist() == [3, 8, 9]
     votes = window_attention(kv).sum(dim=1)
     assert votes[0].tolist() == pytest.approx([0, 0, 0.15, 0.6, 0.15, 0, 0, 0, 1.1, 0], abs=1e-6)
     crossing = pool_scores(votes, 3)[0, :8]  # the old rule: pool across the boundary
@@ -86,7 +86,7 @@ def test_planted_token_and_window_are_kept():
     keys = torch.randn(1, 80, 8, generator=gen) * 0.1
     queries = keys[:, [17]].expand(1, 8, 8) * 400  # every window query looks at slot 17
     kv = LayerKV(keys, torch.randn(1, 80, 8, generator=gen), queries=queries.contiguous())
-    sel = SnapKV(budget=10, window=8, kernel=1).select_layer(kv, RequestState())
+    sel = SnapKV(budget=10, window=8, kernel=1).decide([kv], RequestState())[0]
     kept = sel.indices[0].tolist()
     assert 17 in kept and kept[-8:] == list(range(72, 80)) and len(kept) == 10
 
@@ -101,7 +101,7 @@ def test_even_kernel_rejected():
 
 def test_streamingllm_keeps_sink_and_most_recent():
     kv = LayerKV(torch.randn(2, 50, 4), torch.randn(2, 50, 4), lengths=torch.tensor([50, 30]))
-    sel = StreamingLLM(budget=12, sink=4).select_layer(kv, RequestState())
+    sel = StreamingLLM(budget=12, sink=4).decide([kv], RequestState())[0]
     assert sel.indices[0].tolist() == [0, 1, 2, 3, *range(42, 50)]
     assert sel.indices[1].tolist() == [20, 21, 22, 23, *range(42, 50)]
 
@@ -109,8 +109,8 @@ def test_streamingllm_keeps_sink_and_most_recent():
 def test_knorm_keeps_lowest_norms():
     keys = torch.randn(1, 30, 4)
     norms = keys[0].norm(dim=-1)
-    sel = KNorm(budget=7).select_layer(LayerKV(keys, torch.randn(1, 30, 4)), RequestState())
+    sel = KNorm(budget=7).decide([LayerKV(keys, torch.randn(1, 30, 4))], RequestState())[0]
     assert sel.indices[0].tolist() == sorted(torch.argsort(norms)[:7].tolist())
-    sel = KNorm(budget=7, sink=2, window=2).select_layer(LayerKV(keys, torch.randn(1, 30, 4)), RequestState())
+    sel = KNorm(budget=7, sink=2, window=2).decide([LayerKV(keys, torch.randn(1, 30, 4))], RequestState())[0]
     middle = torch.argsort(norms[2:28])[:3] + 2
     assert sel.indices[0].tolist() == [0, 1, *sorted(middle.tolist()), 28, 29]

@@ -83,11 +83,11 @@ def test_the_newest_token_is_kept_even_when_least_attended():
     keys = torch.eye(4, dtype=torch.float64).unsqueeze(0)
     query = torch.tensor([[[3.0, 2.0, 1.0, -5.0]]], dtype=torch.float64)  # attends least to the newest
     kv = LayerKV(keys, keys.clone(), queries=query, scale=1.0)
-    (selection,) = TOVA(budget=2).select([kv], RequestState())
+    (selection,) = TOVA(budget=2).decide([kv], RequestState())
     assert selection.indices[0].tolist() == [0, 3]
 
 
 def test_layer_average_keeps_the_same_tokens_in_every_head(fake_request):
     request = fake_request(40, 3, 2, seed=8)
-    for sel in make_policy("tova").select(request.layers(1), RequestState(prompt_len=40)):
+    for sel in make_policy("tova").decide(request.layers(1), RequestState(prompt_len=40)):
         assert all(torch.equal(idx, sel.indices[0]) for idx in sel.indices)

@@ -9,7 +9,7 @@ import torch
 
 from vllm_kvcomp.params import SpecError
 from vllm_kvcomp.policies.base import LayerKV, RequestState, SlotMemory
-from vllm_kvcomp.policies.h2o import H2O
+from vllm_kvcomp.policies.h2o import H2O, H2OMemory
 from vllm_kvcomp.policies.knorm import KNorm
 from vllm_kvcomp.policies.snapkv import SnapKV
 from vllm_kvcomp.policies.wrappers import AdaptiveHeads, LayerBudgets, adaptive_topk
@@ -55,10 +55,10 @@ def test_heads_adaptive_through_the_spec():
     keys = torch.randn(3, 60, 8) * torch.tensor([0.2, 1.0, 5.0]).view(3, 1, 1)
     kv = LayerKV(keys, torch.randn(3, 60, 8))
     policy = CompressionSpec.from_header("policy=knorm; budget=10; heads=adaptive").build_policy()
-    counts = policy.select_layer(kv, RequestState()).counts().tolist()
+    counts = policy.decide([kv], RequestState())[0].counts().tolist()
     assert sum(counts) == 30 and len(set(counts)) > 1
     assert counts[2] == 2  # big keys lose: the head only keeps its 20 % floor
-    uniform = KNorm(budget=10).select_layer(kv, RequestState()).counts().tolist()
+    uniform = KNorm(budget=10).decide([kv], RequestState())[0].counts().tolist()
     assert uniform == [10, 10, 10]
 
 
@@ -70,9 +70,9 @@ def test_adaptive_wrapper_commits_inner_state():
     kv = LayerKV(torch.randn(2, 30, 4, generator=gen), torch.randn(2, 30, 4, generator=gen),
                  queries=torch.randn(4, 4, 4, generator=gen))
     state = RequestState()
-    sel = policy.select([kv], state)[0]
+    sel = policy.decide([kv], state)[0]
     assert sum(sel.counts().tolist()) == 16
-    memory = state.layer(0)["acc"]
+    memory = state.layer(0, H2OMemory).acc
     assert isinstance(memory, SlotMemory)
     for h, idx in enumerate(sel.indices):
         assert memory.positions[h][memory.positions[h] >= 0].tolist() == idx.tolist()
@@ -94,10 +94,10 @@ def test_layer_budgets():
     ]
     policy = LayerBudgets(SnapKV(window=4, kernel=3), budgets=(5, 20, 60))
     state = RequestState()
-    counts = [sel.counts().tolist() for sel in policy.select(layers, state)]
+    counts = [sel.counts().tolist() for sel in policy.decide(layers, state)]
     assert counts == [[5, 5], [20, 20], [50, 50]]
     assert state.budget == 60
     with pytest.raises(SpecError, match="budgets"):
-        LayerBudgets(SnapKV(), budgets=(5,)).select(layers, RequestState())
+        LayerBudgets(SnapKV(), budgets=(5,)).decide(layers, RequestState())
     with pytest.raises(SpecError, match="budgets"):
         LayerBudgets(SnapKV(), budgets=(5, 0, 3))

@@ -10,7 +10,7 @@ Each (layer, head) of a request reads a **virtual sequence** (:class:`RequestPag
 ``m[l, h]`` *packed* pages (full, anywhere in the request's blocks, any layer's cells), then the
 *tail*: its own page of every block from column ``tail_col`` on. Compression at logical length
 ``end`` (``o = end % bs``, ``G = end // bs``) keeps ``k[l, h] = m * bs + o`` tokens per head (the
-policies round their selections up to that, see ``RequestState.page_quantum``): the first
+``Policy.decide`` rounds every policy's pick up to that, see ``RequestState.page_quantum``): the first
 ``m * bs`` kept tokens fill packed pages, the last ``o`` sit in cells ``[0, o)`` of the head's
 own page of block ``G`` (exactly where vLLM's next tokens continue, at offset ``o``), and
 ``tail_col`` becomes ``G``. Virtual order is ascending logical position.

@@ -326,7 +326,7 @@ class KVCompWorker:
         block_ids = torch.tensor(sched.block_ids, dtype=torch.long)
         inputs = self._layer_inputs(state, block_ids, end)
         state.policy_state.page_quantum = (self.block_size, end % self.block_size)
-        selections = state.policy.select(inputs, state.policy_state)
+        selections = state.policy.decide(inputs, state.policy_state)
         before = torch.stack([kv.valid_lengths() for kv in inputs])  # [L, H]
         kept = [[idx - (kv.num_slots - int(before[layer, h])) for h, idx in enumerate(sel.indices)]
                 for layer, (kv, sel) in enumerate(zip(inputs, selections))]

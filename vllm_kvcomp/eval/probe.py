@@ -118,7 +118,7 @@ class Probe(Policy):
             if self.block_size:
                 own.page_quantum = (self.block_size, self.prompt_len % self.block_size)
             views = [_view(kv, self.prompt_len, self._observe(policy.queries_needed())) for kv in layers]
-            for view, sel in zip(views, policy.select(views, own)):
+            for view, sel in zip(views, policy.decide(views, own)):
                 kept = [float(torch.isin(view.slot_positions()[h, idx], torch.tensor(self.needle)).sum())
                         / len(self.needle) for h, idx in enumerate(sel.indices)]
                 self.stats.setdefault(f"kept:{name}", []).append(kept)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -89,10 +89,18 @@ class Compensation:
 
 @dataclass
 class Selection:
-    """Per KV head, the sorted unique slot indices to keep, plus optional compensation."""
+    """Per KV head, the sorted unique slot indices to keep, plus optional compensation.
+
+    What a policy's :meth:`Policy.select` returns is its *pick*; :meth:`Policy.decide` rounds each
+    head's count up to the engine's page grid with the head's next slots by ``priority`` and
+    returns what is kept. Policies never round themselves.
+    """
 
     indices: list[torch.Tensor]  # H_kv tensors of int64, sorted, unique, in [0, N)
     compensation: Compensation | None = None
+    #: [H_kv, N] which unpicked slots fill a head up to the page grid first (higher first, ties
+    #: to the later slot); None: the most recent first
+    priority: torch.Tensor | None = None
 
     def counts(self) -> torch.Tensor:
         return torch.tensor([len(i) for i in self.indices], dtype=torch.long)
@@ -128,28 +136,40 @@ class Ranks:
 ONE_RANK = Ranks()
 
 
+MemoryT = TypeVar("MemoryT")
+
+
 @dataclass
 class RequestState:
     """Per-request memory a policy carries between compressions (one per request, all layers).
 
     ``budget`` is the per-head kept count fixed at the first compression; decode-time
-    recompression returns to it. ``layers[i]`` is free-form per-layer policy state (H2O
-    accumulators, LagKV cursors), indexed by the *slots kept*: a policy that stores per-slot
-    tensors must gather them with the selection it returns.
+    recompression returns to it. ``layers[i]`` is the policy's own typed memory of layer i (one
+    dataclass per policy, :meth:`layer`: H2O accumulators, LagKV cursors), indexed by the *slots
+    kept*: a policy that stores per-slot values gathers them with what :meth:`Policy.decide` kept.
     """
 
     prompt_len: int = 0
     budget: int | None = None
     compressions: int = 0
-    layers: dict[int, dict[str, Any]] = field(default_factory=dict)
-    #: (block_size, residue) of the engine's pages for the compression in progress, or None:
-    #: every head's kept count must then be ``≡ residue (mod block_size)`` (or the whole head)
+    layers: dict[int, Any] = field(default_factory=dict)
+    #: (block_size, residue) of the engine's pages for the compression in progress, or None (no
+    #: grid): :meth:`Policy.decide` rounds every head's kept count to ``≡ residue (mod
+    #: block_size)`` (or the whole head)
     page_quantum: tuple[int, int] | None = None
     #: the tensor-parallel ranks the request's heads are split over (set by the engine)
     ranks: Ranks = field(default=ONE_RANK, repr=False)
 
-    def layer(self, index: int) -> dict[str, Any]:
-        return self.layers.setdefault(index, {})
+    def layer(self, index: int, kind: type[MemoryT]) -> MemoryT:
+        """Layer ``index``'s memory, a ``kind()`` the first time (one kind per policy)."""
+        memory = self.layers.setdefault(index, kind())
+        if not isinstance(memory, kind):
+            raise TypeError(f"layer {index} holds {type(memory).__name__}, not {kind.__name__}")
+        return memory
+
+    def memories(self, kind: type[MemoryT]) -> list[MemoryT]:
+        """Every layer's memory of ``kind`` so far."""
+        return [m for m in self.layers.values() if isinstance(m, kind)]
 
     def over_budget(self, num_tokens: int) -> bool:
         """Whether cutting ``num_tokens`` live tokens back to ``budget`` frees something: on the
@@ -159,34 +179,39 @@ class RequestState:
         step = self.page_quantum[0] if self.page_quantum is not None else 1
         return num_tokens - self.budget >= step
 
-    def page_count(self, kept: int, length: int) -> int:
-        """``kept`` rounded up to the page grid (``≡ residue``), at most ``length``."""
-        if self.page_quantum is None or kept >= length:
-            return min(kept, length)
-        block_size, residue = self.page_quantum
-        return min(length, kept + (residue - kept) % block_size)
 
-    def pad(self, indices: Sequence[torch.Tensor], priority: torch.Tensor, lengths: torch.Tensor) -> list[torch.Tensor]:
-        """Round each head's kept slots up to the page grid with its next-best slots.
+def page_count(kept: int, length: int, quantum: tuple[int, int] | None) -> int:
+    """``kept`` rounded up to the page grid ``quantum`` = (block_size, residue), at most ``length``."""
+    if quantum is None or kept >= length:
+        return min(kept, length)
+    block_size, residue = quantum
+    return min(length, kept + (residue - kept) % block_size)
 
-        indices: H sorted index tensors; priority [H, N] (higher = kept first; ties go to the
-        later slot); lengths [H] live right-aligned slots. Free quality: the page is held anyway.
-        """
-        out = []
-        n = priority.shape[1]
-        for h, idx in enumerate(indices):
-            length = int(lengths[h])
-            extra = self.page_count(len(idx), length) - len(idx)
-            if extra <= 0:
-                out.append(idx)
-                continue
-            free = torch.ones(n, dtype=torch.bool)
-            free[: n - length] = False
-            free[idx] = False
-            candidates = torch.nonzero(free).flatten().flip(0)  # later slots first for ties
-            order = torch.sort(priority[h, candidates].float(), descending=True, stable=True).indices
-            out.append(torch.sort(torch.cat([idx, candidates[order[:extra]]])).values)
-        return out
+
+def round_to_pages(pick: Selection, kv: LayerKV, quantum: tuple[int, int] | None) -> Selection:
+    """``pick`` of layer ``kv`` with each head's slots rounded up to the page grid ``quantum`` by
+    its next-best live slots (``pick.priority``; the most recent where None). Free quality: the
+    page is held anyway. The same object when nothing needs adding."""
+    lengths, n = kv.valid_lengths(), kv.num_slots
+    out, changed = [], False
+    for h, idx in enumerate(pick.indices):
+        length = int(lengths[h])
+        extra = page_count(len(idx), length, quantum) - len(idx)
+        if extra <= 0:
+            out.append(idx)
+            continue
+        free = torch.ones(n, dtype=torch.bool)
+        free[: n - length] = False
+        free[idx] = False
+        candidates = torch.nonzero(free).flatten().flip(0)  # later slots first for ties
+        if pick.priority is None:
+            chosen = candidates[:extra]
+        else:
+            order = torch.sort(pick.priority[h, candidates].float(), descending=True, stable=True).indices
+            chosen = candidates[order[:extra]]
+        out.append(torch.sort(torch.cat([idx, chosen])).values)
+        changed = True
+    return Selection(out, pick.compensation, pick.priority) if changed else pick
 
 
 # ---------------------------------------------------------------------------- shared helpers
@@ -396,12 +421,26 @@ class Policy:
         interval = getattr(self, "interval", None) or 1
         return steps_since >= interval and state.over_budget(num_tokens)
 
+    def decide(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
+        """What every layer keeps: :meth:`select`'s picks rounded up to the engine's page grid
+        (``state.page_quantum``, :func:`round_to_pages`), then :meth:`commit_kept`. What the
+        engine and the oracle call; policies implement :meth:`select` and never round."""
+        picks = self.select(layers, state)
+        kept = [round_to_pages(pick, kv, state.page_quantum) for kv, pick in zip(layers, picks)]
+        self.commit_kept(layers, state, picks, kept)
+        return kept
+
     def select(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
-        """One Selection per layer. Default: :meth:`select_layer` on each layer."""
+        """One pick per layer (not rounded to pages). Default: :meth:`select_layer` on each layer."""
         return [self.select_layer(kv, state) for kv in layers]
 
     def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
         raise NotImplementedError
+
+    def commit_kept(self, layers: Sequence[LayerKV], state: RequestState, picks: Sequence[Selection],
+                    kept: Sequence[Selection]) -> None:
+        """Carry per-slot memory over to what is kept (``kept``: the ``picks`` rounded to pages; a
+        policy may still set a kept selection's ``compensation``). Default: nothing to carry."""
 
 
 Allocator = Callable[[torch.Tensor, int, torch.Tensor, int, int], list[torch.Tensor]]
@@ -411,8 +450,8 @@ Allocator = Callable[[torch.Tensor, int, torch.Tensor, int, int], list[torch.Ten
 class ScorePolicy(Policy):
     """A policy defined by a per-token score: keep sink + window + top scores, same count per head.
 
-    ``select_layer`` = :meth:`protected_for` -> :meth:`score` -> :meth:`allocate` -> :meth:`commit`;
-    wrappers (``policies.wrappers``) reuse the same hooks with another allocation.
+    ``select_layer`` = :meth:`protected_for` -> :meth:`score` -> :meth:`allocate`; after the page
+    rounding :meth:`commit` (per layer) carries memory over; wrappers (``policies.wrappers``) reuse the same hooks with another allocation.
     """
 
     def score(self, kv: LayerKV, state: RequestState) -> torch.Tensor:
@@ -434,10 +473,15 @@ class ScorePolicy(Policy):
         return protected_topk(scores, budget, lengths, sink, window)
 
     def commit(self, kv: LayerKV, state: RequestState, selection: Selection, chosen: list[torch.Tensor]) -> None:
-        """Update per-slot policy state to the kept slots (default: nothing to carry).
+        """Update one layer's per-slot policy state to the kept slots (default: nothing to carry).
 
         ``selection`` is what is kept (page-rounded); ``chosen`` the slots the allocation picked.
         """
+
+    def commit_kept(self, layers: Sequence[LayerKV], state: RequestState, picks: Sequence[Selection],
+                    kept: Sequence[Selection]) -> None:
+        for kv, pick, selection in zip(layers, picks, kept):
+            self.commit(kv, state, selection, pick.indices)
 
     def mean_kept_bound(self, prompt_len: int, num_heads: int | None = None) -> int | None:
         """Every allocation keeps ``target_budget`` tokens per head on average (adaptive heads
@@ -450,9 +494,9 @@ class ScorePolicy(Policy):
 
     def select_scored(self, kv: LayerKV, state: RequestState, budget: int, allocate: Allocator,
                       across_heads: bool = False) -> Selection:
-        """One layer: protected region and scores of this policy, ``allocate``'s picks, rounded
-        up to the page grid by score, then committed. An allocation ``across_heads`` sees every
-        tensor-parallel rank's heads."""
+        """One layer: protected region and scores of this policy, ``allocate``'s picks (rounded
+        up to the page grid by score, then committed, by :meth:`decide`). An allocation
+        ``across_heads`` sees every tensor-parallel rank's heads."""
         lengths = kv.valid_lengths()
         sink, window = self.protected_for(kv, state)
         scores = self.score(kv, state).float().cpu()
@@ -460,9 +504,7 @@ class ScorePolicy(Policy):
             chosen = _allocate_over_ranks(state.ranks, allocate, scores, budget, lengths, sink, window)
         else:
             chosen = allocate(scores, budget, lengths, sink, window)
-        selection = Selection(state.pad(chosen, scores, lengths))
-        self.commit(kv, state, selection, chosen)
-        return selection
+        return Selection(chosen, priority=scores)
 
     def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
         if state.budget is None:
@@ -552,8 +594,10 @@ __all__ = [
     "SlotMemory",
     "ceil_div",
     "keep_pinned",
+    "page_count",
     "protected_topk",
     "reduce_gqa",
+    "round_to_pages",
     "visible_softmax",
     "window_attention",
 ]

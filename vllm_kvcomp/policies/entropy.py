@@ -149,7 +149,7 @@ class EntropyBudget(Policy):
         return self.target_budget(prompt_len)
 
     def select(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
-        if layers and all("budget" in state.layer(kv.layer) for kv in layers):
+        if layers and all(state.layer(kv.layer, EntropyMemory).budget is not None for kv in layers):
             return [self._slide(kv, state) for kv in layers]
         stats = [attention_entropy(window_logits(kv), state.ranks) for kv in layers]
         probs = [p for p, _ in stats]  # each [H_q, w, N]
@@ -166,24 +166,37 @@ class EntropyBudget(Policy):
         lengths = kv.valid_lengths()
         priority = shared.expand(kv.num_kv_heads, -1)
         chosen = protected_topk(priority, budget, lengths, sink, recent)
-        indices = state.pad(chosen, priority, lengths)
         start = kv.num_slots - lengths
         slots = torch.arange(kv.num_slots).unsqueeze(0)
         middle = (slots >= (start + sink).unsqueeze(1)) & (slots < kv.num_slots - recent)
         kept = torch.zeros_like(middle)
         for h, idx in enumerate(chosen):  # the top-ranked picks are pinned, page-rounding extras are not
             kept[h, idx] = True
-        memory = state.layer(kv.layer)
-        memory["budget"], memory["sink"] = budget, sink
-        memory["pinned"] = SlotMemory.kept((kept & middle).float(), kv.slot_positions(), indices)
-        return Selection(indices)
+        memory = state.layer(kv.layer, EntropyMemory)
+        memory.budget, memory.sink, memory.picked = budget, sink, kept & middle
+        return Selection(chosen, priority=priority)
 
     def _slide(self, kv: LayerKV, state: RequestState) -> Selection:
         """Decode: sink + pinned top tokens + the most recent, back to the layer budget."""
-        memory = state.layer(kv.layer)
-        positions = kv.slot_positions()
-        pinned = memory["pinned"].lookup(positions) > 0
-        chosen, priority = keep_pinned(kv, pinned, memory["sink"], memory["budget"])
-        indices = state.pad(chosen, priority, kv.valid_lengths())
-        memory["pinned"] = SlotMemory.kept(pinned.float(), positions, indices)
-        return Selection(indices)
+        memory = state.layer(kv.layer, EntropyMemory)
+        memory.picked = memory.pinned.lookup(kv.slot_positions()) > 0
+        chosen, priority = keep_pinned(kv, memory.picked, memory.sink, memory.budget)
+        return Selection(chosen, priority=priority)
+
+    def commit_kept(self, layers: Sequence[LayerKV], state: RequestState, picks: Sequence[Selection],
+                    kept: Sequence[Selection]) -> None:
+        """The picked tokens that are kept stay pinned (by logical position)."""
+        for kv, selection in zip(layers, kept):
+            memory = state.layer(kv.layer, EntropyMemory)
+            memory.pinned = SlotMemory.kept(memory.picked.float(), kv.slot_positions(), selection.indices)
+            memory.picked = None
+
+
+@dataclass
+class EntropyMemory:
+    """One layer's budget, sink and pinned top tokens (by logical position)."""
+
+    budget: int | None = None
+    sink: int = 0
+    pinned: SlotMemory | None = None
+    picked: torch.Tensor | None = None  # [H_kv, N] bool pinned slots of this pick, until committed

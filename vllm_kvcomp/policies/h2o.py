@@ -74,21 +74,29 @@ class H2O(HeadsChoice, ScorePolicy):
 
         Does not commit: repeated calls before :meth:`commit` give the same result.
         """
-        memory = state.layer(kv.layer)
+        memory = state.layer(kv.layer, H2OMemory)
         positions = kv.slot_positions()
-        acc = memory["acc"].lookup(positions) if "acc" in memory else torch.zeros(positions.shape)
-        counted = int(memory.get("counted", -1))
+        acc = memory.acc.lookup(positions) if memory.acc is not None else torch.zeros(positions.shape)
+        counted = memory.counted
         query_pos = kv.window_query_positions()
         fresh = query_pos > counted
         if bool(fresh.any()):
             probs = window_attention(kv)[:, fresh.to(kv.keys.device)].sum(dim=1)  # [H_q, N]
             acc = acc + reduce_gqa(probs, kv.num_kv_heads).float().cpu()
             counted = int(query_pos.max())
-        memory["pending"] = (acc, counted)
+        memory.pending = (acc, counted)
         return acc
 
     def commit(self, kv: LayerKV, state: RequestState, selection: Selection, chosen: list[torch.Tensor]) -> None:
-        memory = state.layer(kv.layer)
-        acc, counted = memory.pop("pending")
-        memory["acc"] = SlotMemory.kept(acc, kv.slot_positions(), selection.indices)
-        memory["counted"] = counted
+        memory = state.layer(kv.layer, H2OMemory)
+        acc, memory.counted = memory.pending
+        memory.acc, memory.pending = SlotMemory.kept(acc, kv.slot_positions(), selection.indices), None
+
+
+@dataclass
+class H2OMemory:
+    """One layer's accumulators, by logical position, and the last query position counted."""
+
+    acc: SlotMemory | None = None
+    counted: int = -1
+    pending: tuple[torch.Tensor, int] | None = None  # scored, not yet committed: ([H_kv, N], counted)

@@ -118,6 +118,17 @@ class _Track:
 
 
 @dataclass
+class LagKVMemory:
+    """One layer's LagKV state: per head the cursor (where its uncompressed tail starts) and its
+    ``exact=0`` track; the shortest compressed prefix over heads (ranks included)."""
+
+    cursor: list[int | None] | None = None
+    track: list[_Track | None] | None = None
+    compressed: int | None = None
+    pending: tuple[list[_Plan], list[int | None], list[_Track | None]] | None = None  # picked, not committed
+
+
+@dataclass
 class _Plan:
     """One head's compression: keep ``[start, first)``, the top ``keeps[j]`` of scored partition j
     (slots ``first + j·L`` on) and the newest ``tail`` live slots."""
@@ -161,13 +172,13 @@ class LagKV(Policy):
 
     def due(self, state: RequestState, num_tokens: int, steps_since: int) -> bool:
         """True once some layer's uncompressed tail holds two full partitions."""
-        bases = [m["compressed"] for m in state.layers.values() if "compressed" in m]
+        bases = [m.compressed for m in state.memories(LagKVMemory) if m.compressed is not None]
         return bool(bases) and num_tokens - min(bases) >= 2 * self.lag
 
     def stream_due(self, state: RequestState, num_tokens: int) -> bool:
         """After a prefill chunk: as in decode, or (nothing compressed yet) once the first
         partition has its reference."""
-        if any("compressed" in m for m in state.layers.values()):
+        if any(m.compressed is not None for m in state.memories(LagKVMemory)):
             return self.due(state, num_tokens, 0)
         return num_tokens >= int(self.sink) + 2 * self.lag
 
@@ -186,18 +197,11 @@ class LagKV(Policy):
             return lagkv_retained(prompt_len, int(self.sink), self.lag, self.ratio or 1.0)
         return self.kept_for(prompt_len)
 
-    def select(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
-        """Every layer; the first compression fixes ``state.budget`` at the most any head keeps."""
-        selections = super().select(layers, state)
-        if state.budget is None:
-            state.budget = max((len(idx) for sel in selections for idx in sel.indices), default=0)
-        return selections
-
     def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
-        memory = state.layer(kv.layer)
+        memory = state.layer(kv.layer, LagKVMemory)
         heads, n = kv.num_kv_heads, kv.num_slots
-        cursors: list[int | None] = memory.get("cursor") or [None] * heads
-        tracks: list[_Track | None] = memory.get("track") or [None] * heads
+        cursors = memory.cursor or [None] * heads
+        tracks = memory.track or [None] * heads
         positions = kv.slot_positions()
         lengths = kv.valid_lengths()
         plans = [self._plan(n, int(lengths[h]), positions[h], cursors[h], tracks, h, state.prompt_len)
@@ -213,19 +217,31 @@ class LagKV(Policy):
                 for g, h in enumerate(members):
                     chosen[h] = _top(scores[g], plans[h].keeps, first)
                     priority[h, first : first + scores[g].numel()] = scores[g].flatten()
-        indices = state.pad([torch.cat([torch.arange(p.start, p.first), chosen[h], torch.arange(n - p.tail, n)])
-                             for h, p in enumerate(plans)], priority, lengths)
-        for h, (plan, idx) in enumerate(zip(plans, indices)):
-            cursors[h] = plan.cursor
-            track = tracks[h]
-            if track is not None:
-                track.held, track.parts = len(idx), track.parts + len(plan.keeps)
-        compressed = [len(idx) - int((positions[h, idx] >= (cursors[h] or 0)).sum()) for h, idx in enumerate(indices)]
-        memory["cursor"] = cursors
-        if not self.exact:
-            memory["track"] = tracks
-        memory["compressed"] = state.ranks.reduce(min(compressed, default=0), min)  # every rank's heads
-        return Selection(indices)
+        memory.pending = (plans, cursors, tracks)
+        return Selection([torch.cat([torch.arange(p.start, p.first), chosen[h], torch.arange(n - p.tail, n)])
+                          for h, p in enumerate(plans)], priority=priority)
+
+    def commit_kept(self, layers: Sequence[LayerKV], state: RequestState, picks: Sequence[Selection],
+                    kept: Sequence[Selection]) -> None:
+        """Cursors, held counts and the compressed prefix follow what is kept (page rounding
+        included); the first compression fixes ``state.budget`` at the most any head keeps."""
+        for kv, selection in zip(layers, kept):
+            memory = state.layer(kv.layer, LagKVMemory)
+            (plans, cursors, tracks), memory.pending = memory.pending, None
+            positions = kv.slot_positions()
+            for h, (plan, idx) in enumerate(zip(plans, selection.indices)):
+                cursors[h] = plan.cursor
+                track = tracks[h]
+                if track is not None:
+                    track.held, track.parts = len(idx), track.parts + len(plan.keeps)
+            compressed = [len(idx) - int((positions[h, idx] >= (cursors[h] or 0)).sum())
+                          for h, idx in enumerate(selection.indices)]
+            memory.cursor = cursors
+            if not self.exact:
+                memory.track = tracks
+            memory.compressed = state.ranks.reduce(min(compressed, default=0), min)  # every rank's heads
+        if state.budget is None:
+            state.budget = max((len(idx) for sel in kept for idx in sel.indices), default=0)
 
     def _plan(self, n: int, length: int, positions: torch.Tensor, cursor: int | None,
               tracks: list[_Track | None], h: int, prompt_len: int) -> _Plan:

@@ -210,7 +210,7 @@ class POD(Policy):
         sink, window = int(self.sink or 0), int(self.window or 0)
         keep = [min(state.budget, sink + window) if s else state.budget for s in skip.tolist()]
         lengths = kv.valid_lengths()
-        return Selection(state.pad(protected_topk(scores, keep, lengths, sink, window), scores, lengths))
+        return Selection(protected_topk(scores, keep, lengths, sink, window), priority=scores)
 
 
 def _group_size(kv: LayerKV) -> int:

@@ -106,3 +106,7 @@ class PyramidKV(Policy):
         for kv, budget in zip(ordered, pyramid_budgets(len(ordered), target, longest, self.window, self.beta)):
             budgets[kv.layer] = budget
         return LayerBudgets(inner=self.scorer(), budgets=budgets).select(layers, state)
+
+    def commit_kept(self, layers: Sequence[LayerKV], state: RequestState, picks: Sequence[Selection],
+                    kept: Sequence[Selection]) -> None:
+        self.scorer().commit_kept(layers, state, picks, kept)

@@ -190,10 +190,12 @@ class Razor(Policy):
 
     def _select_layer(self, kv: LayerKV, state: RequestState, heads: frozenset[tuple[int, int]], total: int,
                       retrieval: int) -> Selection:
+        """Retrieval heads keep every live slot; the others their sink and most recent tokens (the
+        page rounding adds the next most recent ones: ``priority`` None)."""
         n = kv.num_slots
         lengths = kv.valid_lengths()
         sink = int(self.sink or 0)
-        indices, dropped = [], []
+        indices = []
         for h in range(kv.num_kv_heads):
             length = int(lengths[h])
             start = n - length
@@ -201,36 +203,50 @@ class Razor(Policy):
             # the whole prompt's count, also when an earlier prefill chunk is compressed (prefill=stream)
             prompt = max(length, state.prompt_len)
             keep = keep_sink + self.recent_for(prompt) if self.exact else self.others_keep(prompt, total, retrieval)
-            recent = state.page_count(keep, length) - keep_sink
             global_head = state.ranks.rank * kv.num_kv_heads + h  # profiles name the model's KV heads
-            if (kv.layer, global_head) in heads or keep_sink + recent >= length:
+            if (kv.layer, global_head) in heads or keep >= length:
                 indices.append(torch.arange(start, n))
-                dropped.append(None)
-                continue
-            indices.append(torch.cat([torch.arange(start, start + keep_sink), torch.arange(n - recent, n)]))
-            dropped.append(slice(start + keep_sink, n - recent))
-        return Selection(indices, self._compensation(kv, state, dropped))
+            else:
+                indices.append(torch.cat([torch.arange(start, start + keep_sink), torch.arange(n - keep + keep_sink, n)]))
+        return Selection(indices)
 
-    def _compensation(self, kv: LayerKV, state: RequestState, dropped: list[slice | None]) -> Compensation:
-        """Eq. 4 over every token a head ever dropped: this call's drops folded into the mean of
-        the earlier ones (a prompt compressed chunk by chunk drops in several calls)."""
+    def commit_kept(self, layers: Sequence[LayerKV], state: RequestState, picks: Sequence[Selection],
+                    kept: Sequence[Selection]) -> None:
+        """Every kept selection gets its layer's compensation token (eq. 4) over what it drops."""
+        for kv, selection in zip(layers, kept):
+            selection.compensation = self._compensation(kv, state, selection)
+
+    def _compensation(self, kv: LayerKV, state: RequestState, selection: Selection) -> Compensation:
+        """Eq. 4 over every token a head ever dropped: this compression's drops (its live slots
+        not kept) folded into the mean of the earlier ones (a prompt compressed chunk by chunk
+        drops in several calls)."""
         acc = torch.float64 if kv.keys.dtype == torch.float64 else torch.float32
-        memory = state.layer(kv.layer)
+        memory = state.layer(kv.layer, RazorMemory)
         heads, dim = kv.num_kv_heads, kv.keys.shape[-1]
         k_sum = torch.zeros(heads, dim, dtype=acc)
         v_sum = torch.zeros(heads, kv.values.shape[-1], dtype=acc)
         counts = torch.zeros(heads, dtype=acc)
-        if "comp" in memory:
-            old = memory["comp"]
+        if memory.compensation is not None:
+            old = memory.compensation
             counts += old.counts.to(acc)
             k_sum += old.keys.to(acc) * counts.unsqueeze(1)
             v_sum += old.values.to(acc) * counts.unsqueeze(1)
-        for h, span in enumerate(dropped):
-            if span is not None:
-                k_sum[h] += kv.keys[h, span].to(acc).sum(0)
-                v_sum[h] += kv.values[h, span].to(acc).sum(0)
-                counts[h] += span.stop - span.start
+        live = kv.valid_mask()
+        for h, idx in enumerate(selection.indices):
+            live[h, idx] = False
+            dropped = torch.nonzero(live[h]).flatten()
+            if dropped.numel():
+                k_sum[h] += kv.keys[h, dropped].to(acc).sum(0)
+                v_sum[h] += kv.values[h, dropped].to(acc).sum(0)
+                counts[h] += dropped.numel()
         mean = counts.clamp(min=1).unsqueeze(1)
         comp = Compensation((k_sum / mean).to(kv.keys.dtype), (v_sum / mean).to(kv.values.dtype), counts.float())
-        memory["comp"] = comp
+        memory.compensation = comp
         return comp
+
+
+@dataclass
+class RazorMemory:
+    """One layer's compensation token so far (the mean of every token its heads dropped)."""
+
+    compensation: Compensation | None = None

@@ -115,25 +115,35 @@ class SageKV(ScorePolicy):
         return -best_rank + 0.5 * top_attn
 
     def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
-        memory = state.layer(kv.layer)
-        if "pinned" not in memory:
+        memory = state.layer(kv.layer, SageKVMemory)
+        if memory.pinned is None:
             return super().select_layer(kv, state)
-        positions = kv.slot_positions()
-        pinned = memory["pinned"].lookup(positions) > 0
-        chosen, priority = keep_pinned(kv, pinned, memory["sink"], int(state.budget or 0))
-        selection = Selection(state.pad(chosen, priority, kv.valid_lengths()))
-        memory["pinned"] = SlotMemory.kept(pinned.float(), positions, selection.indices)
-        return selection
+        memory.sliding = memory.pinned.lookup(kv.slot_positions()) > 0
+        chosen, priority = keep_pinned(kv, memory.sliding, memory.sink, int(state.budget or 0))
+        return Selection(chosen, priority=priority)
 
     def commit(self, kv: LayerKV, state: RequestState, selection: Selection, chosen: list[torch.Tensor]) -> None:
         """Pin the tokens the top-k chose (not the page-rounding extras) once a selection
-        really evicted something."""
+        really evicted something; later, the pinned tokens that are kept stay pinned."""
+        memory = state.layer(kv.layer, SageKVMemory)
+        if memory.sliding is not None:
+            memory.pinned = SlotMemory.kept(memory.sliding.float(), kv.slot_positions(), selection.indices)
+            memory.sliding = None
+            return
         if int(kv.valid_lengths().max()) <= int(state.budget or 0):
             return
         kept = torch.zeros(kv.num_kv_heads, kv.num_slots, dtype=torch.bool)
         for h, idx in enumerate(chosen):
             kept[h, idx] = True
         pinned = (kept & self.eviction_region(kv, state)).float()
-        memory = state.layer(kv.layer)
-        memory["pinned"] = SlotMemory.kept(pinned, kv.slot_positions(), selection.indices)
-        memory["sink"] = self.split(kv, state)[0]
+        memory.pinned = SlotMemory.kept(pinned, kv.slot_positions(), selection.indices)
+        memory.sink = self.split(kv, state)[0]
+
+
+@dataclass
+class SageKVMemory:
+    """One layer's pinned selection (by logical position) once a compression evicted something."""
+
+    pinned: SlotMemory | None = None
+    sink: int = 0
+    sliding: torch.Tensor | None = None  # [H_kv, N] pinned slots of a decode pick, until committed

@@ -114,6 +114,10 @@ class _Wrapper(Policy):
     def due(self, state: RequestState, num_tokens: int, steps_since: int) -> bool:
         return self.inner.due(state, num_tokens, steps_since)
 
+    def commit_kept(self, layers: Sequence[LayerKV], state: RequestState, picks: Sequence[Selection],
+                    kept: Sequence[Selection]) -> None:
+        self.inner.commit_kept(layers, state, picks, kept)
+
 
 @dataclass
 class AdaptiveHeads(_Wrapper):
