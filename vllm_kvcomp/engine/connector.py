@@ -65,7 +65,7 @@ def paged_cache(
         if getattr(layer, "sliding_window", None) is not None:
             raise NotImplementedError(
                 f"layer {name} uses sliding-window attention, whose mask counts absolute slots; "
-                "vllm-kvcomp supports full-attention models only"
+                "vllm-kvcomp compresses full-attention layers only"
             )
     for name, cache in kv_caches.items():
         if cache.dim() != 4 or cache.shape[2] != block_size:
