@@ -13,6 +13,9 @@ block size 32):
   ``--admit-tokens`` output tokens: the peak of ``vllm:num_requests_running``.
 - ``membound``: a pool of about two full-cache requests (``--membound-pool``), 8 clients at once,
   long outputs: output tokens/s over the whole run, at ``--membound-ratio``.
+- ``limit``: every config at each ``--limit-lengths`` prompt length next to its physical limit, an
+  uncompressed request whose prompt is as long as what the compressed one keeps (same kernel, same
+  bytes read): decode tok/s side by side.
 
 ::
 
@@ -63,7 +66,10 @@ class Held:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model folder (default: the bundled SmolLM2)")
     parser.add_argument("--served-name", default=MODEL_NAME)
-    parser.add_argument("--phases", default="held,admit,membound", help="comma list of held, admit, membound")
+    parser.add_argument("--phases", default="held,admit,membound",
+                        help="comma list of held, admit, membound, limit")
+    parser.add_argument("--limit-lengths", default="2048,8000",
+                        help="limit: prompt lengths (the bundled model has 8192 positions)")
     parser.add_argument("--policies", default=",".join(c[0] for c in configs()), help="config labels to run")
     parser.add_argument("--ratios", default="0.5,0.25,0.125")
     parser.add_argument("--prompt-len", type=int, default=2048)
@@ -102,18 +108,19 @@ def _configs(args: argparse.Namespace) -> list[tuple[str, str, str, float]]:
     return out
 
 
-async def _streams(url: str, args, header: str | None, count: int, tokens: int, seed: int, sampler=None):
+async def _streams(url: str, args, header: str | None, count: int, tokens: int, seed: int,
+                   prompt_len: int | None = None):
     import httpx
 
     async with httpx.AsyncClient(timeout=None) as client:
         jobs = [stream_completion(client, url, args.served_name, p, tokens, header)
-                for p in prompts(count, args.prompt_len, seed)]
+                for p in prompts(count, prompt_len or args.prompt_len, seed)]
         return await asyncio.gather(*jobs)
 
 
-async def _held_one(url: str, args, header: str | None, seed: int) -> Held:
+async def _held_one(url: str, args, header: str | None, seed: int, prompt_len: int | None = None) -> Held:
     async with MetricsSampler(url, (USAGE,)) as sampler:
-        streams = await _streams(url, args, header, args.streams, args.decode_tokens, seed)
+        streams = await _streams(url, args, header, args.streams, args.decode_tokens, seed, prompt_len)
     start, end = max(s.first for s in streams), min(s.last for s in streams)
     tokens = sum(1 for s in streams for t in s.token_times if start < t <= end)
     usage = sampler.values(USAGE, start, end)
@@ -123,6 +130,46 @@ async def _held_one(url: str, args, header: str | None, seed: int) -> Held:
         decode_tps=tokens / (end - start) if end > start else float("nan"),
         kept_fraction=statistics.mean(fractions) if fractions else float("nan"),
     )
+
+
+@dataclass
+class Limit:
+    """One compressed config at one prompt length next to its physical limit: an uncompressed
+    request whose prompt is as long as what the compressed one keeps."""
+
+    prompt_len: int
+    compressed: Held
+    limit_len: int
+    limit: Held
+
+    @property
+    def share(self) -> float:
+        """Compressed decode tok/s over the limit's."""
+        return self.compressed.decode_tps / self.limit.decode_tps
+
+
+def _phase_limit(args, configs) -> dict:
+    """Each config at each ``--limit-lengths`` prompt length, then full cache with a prompt of the
+    kept length (``kept_fraction`` x length, as reported), side by side in one server; full at
+    every length too."""
+    lengths = [int(n) for n in args.limit_lengths.split(",")]
+    pool = args.streams * (max(lengths) + args.decode_tokens) // 32 + 64
+    args.pool_held = pool
+    out: dict = {}
+    with served(args.model, pool, 16, max(lengths) + args.decode_tokens + 64, args.logs / "limit.log") as url:
+        asyncio.run(_held_one(url, args, None, seed=5, prompt_len=min(lengths)))  # warm-up
+        for n in lengths:
+            out[("full", n)] = asyncio.run(_held_one(url, args, None, seed=6 + n, prompt_len=n))
+        for i, (label, policy, extra, ratio) in enumerate(configs):
+            for n in lengths:
+                seed = 100_000 + 1000 * i + n
+                compressed = asyncio.run(_held_one(url, args, header_for(policy, ratio, extra), seed, n))
+                kept = max(1, round(compressed.kept_fraction * n))
+                limit = asyncio.run(_held_one(url, args, None, seed + 500_000, kept))
+                out[(label, ratio, n)] = Limit(n, compressed, kept, limit)
+                print(f"limit {label:16s} {ratio:<6g} {n:>5}: {compressed.decode_tps:.1f} tok/s vs "
+                      f"{limit.decode_tps:.1f} at {kept} tokens ({out[(label, ratio, n)].share:.2f})", flush=True)
+    return out
 
 
 def _phase_held(args, configs) -> dict:
@@ -192,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
         "held": _phase_held(args, configs) if "held" in phases else None,
         "admit": _phase_admit(args, configs) if "admit" in phases else None,
         "membound": _phase_membound(args, configs) if "membound" in phases else None,
+        "limit": _phase_limit(args, configs) if "limit" in phases else None,
     }
     body = _report(args, configs, results)
     print(body)
@@ -226,7 +274,28 @@ def _report(args, configs, results) -> str:
                   "| policy | tok/s | vs full |", "|---|---|---|",
                   f"| full | {full:.1f} (runs: {', '.join(f'{x:.1f}' for x in membound['full'])}) | 1.00x |"]
         lines += [f"| {k} | {v:.1f} | {v / full:.2f}x |" for k, v in membound.items() if k != "full"]
+    if results["limit"]:
+        lines += ["", *_limit_table(args, configs, results["limit"])]
     return "\n".join(lines)
+
+
+def _limit_table(args, configs, limit: dict) -> list[str]:
+    """Compressed decode next to its physical limit (full cache holding the kept length)."""
+    lines = [f"Decode at the physical limit ({args.streams} streams x {args.decode_tokens} output tokens): each "
+             "compressed config next to full cache with a prompt as long as what it keeps (the same kernel "
+             "reading the same bytes), and full cache at the whole length.", "",
+             "| policy | ratio | prompt | kept_fraction | decode tok/s | limit: full at the kept length | "
+             "vs limit | full at the prompt length | vs full |", "|---|---|---|---|---|---|---|---|---|"]
+    for label, _, _, ratio in configs:
+        for key, entry in limit.items():
+            if key[:2] != (label, ratio):
+                continue
+            full = limit[("full", entry.prompt_len)]
+            lines.append(f"| {label} | {ratio:g} | {entry.prompt_len} | {entry.compressed.kept_fraction:.3f} | "
+                         f"{entry.compressed.decode_tps:.1f} | {entry.limit.decode_tps:.1f} ({entry.limit_len} "
+                         f"tokens) | {entry.share:.2f}x | {full.decode_tps:.1f} | "
+                         f"{entry.compressed.decode_tps / full.decode_tps:.2f}x |")
+    return lines
 
 
 def _columns(held, admit) -> int:

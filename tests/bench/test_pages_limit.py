@@ -1,0 +1,22 @@
+"""``vllm-kvcomp bench pages --phases limit``: the report next to the physical limit, without a server."""
+
+from __future__ import annotations
+
+import argparse
+
+from vllm_kvcomp.bench import pages
+
+
+def test_limit_table_puts_each_config_next_to_full_at_its_kept_length():
+    args = argparse.Namespace(streams=4, decode_tokens=96)
+    full = {n: pages.Held(blocks=64.0, decode_tps=tps, kept_fraction=1.0) for n, tps in ((2048, 40.0), (8000, 20.0))}
+    results = {("full", n): held for n, held in full.items()}
+    results[("snapkv", 0.25, 2048)] = pages.Limit(2048, pages.Held(18.0, 50.0, 0.26), 532, pages.Held(18.0, 62.5, 1.0))
+    results[("snapkv", 0.25, 8000)] = pages.Limit(8000, pages.Held(66.0, 30.0, 0.25), 2000, pages.Held(66.0, 40.0, 1.0))
+    lines = pages._limit_table(args, [("snapkv", "snapkv", "", 0.25)], results)
+    rows = [line for line in lines if line.startswith("| snapkv")]
+    assert rows == [
+        "| snapkv | 0.25 | 2048 | 0.260 | 50.0 | 62.5 (532 tokens) | 0.80x | 40.0 | 1.25x |",
+        "| snapkv | 0.25 | 8000 | 0.250 | 30.0 | 40.0 (2000 tokens) | 0.75x | 20.0 | 1.50x |",
+    ]
+    assert results[("snapkv", 0.25, 2048)].share == 50.0 / 62.5
