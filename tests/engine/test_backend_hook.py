@@ -224,6 +224,32 @@ def test_backend_hook_trims_kernel_rows_and_overwrites_them(kind, device, monkey
     torch.testing.assert_close(out[2:], plain[2:], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(("kind", "device"), CASES[1:])
+def test_parent_kernel_is_skipped_when_every_row_is_compressed(kind, device, monkeypatch):
+    """A step whose rows are all compressed: the worker attends every row, so the parent kernel
+    (which only attends: the KV cache is written by a separate op) is never called, and every
+    output is the exact per-head result."""
+    caches = buffer(device)
+    worker, known = compressed_worker(CLASSES[kind], caches, [75, 100], seed=5)
+    monkeypatch.setattr(common, "active_worker", lambda: worker)
+    blocks = [r.block_ids for r in worker.step.values()]
+    width = max(len(b) for b in blocks)
+    table = torch.tensor([b + [0] * (width - len(b)) for b in blocks], dtype=torch.int32, device=device)
+    slots = torch.tensor([r.first_slot for r in worker.step.values()], device=device)
+    meta = StubMetadata(2, torch.tensor([0, 1, 2], dtype=torch.int32, device=device),
+                        torch.tensor([76, 101], dtype=torch.int32, device=device), table, slots)
+    impl = HookedImpl()
+    for layer in range(L):
+        q = torch.randn(2, HQ, D, device=device)
+        out = torch.full_like(q, float("nan"))
+        named = type("Layer", (), {"layer_name": f"model.layers.{layer}.self_attn.attn"})()
+        assert impl.forward(named, q, None, None, caches[layer], meta, out) is out
+        for r in range(2):
+            ref = expected(known[r], q[r].cpu(), layer, worker.requests[f"r{r}"].compensation[layer])
+            torch.testing.assert_close(out[r].cpu().double(), ref, rtol=2e-5, atol=2e-5)
+    assert impl.seen == []
+
+
 def test_trim_rows_shifts_only_the_given_rows():
     seq_lens = torch.tensor([70, 5, 33], dtype=torch.int32)
     table = torch.arange(15, dtype=torch.int32).view(3, 5) + 1

@@ -5,7 +5,10 @@ pages, plus the compensation token). So that the parent kernel does not also att
 stale full-length context, those rows are trimmed for it to the block of their first new token:
 block table shifted, ``seq_lens`` cut (its result for them is overwritten). The trimmed metadata is a copy, built once per step
 (vLLM's persistent ``seq_lens`` and block tables are read by the sampler and other layers and are
-never written). Requests without a spec, or that kept everything, are untouched.
+never written). Requests without a spec, or that kept everything, are untouched. When every row of
+the step is attended by the worker, the parent kernel is not called at all: the backends hooked
+here write the KV cache in a separate op (``forward_includes_kv_cache_update`` False), so their
+``forward`` only attends, and the worker overwrites every row's output anyway.
 
 A backend mixes :class:`KVCompAttentionMixin` in front of vLLM's impl class and says in
 :meth:`~KVCompAttentionMixin.with_lengths` how its metadata takes new lengths.
@@ -50,21 +53,25 @@ class KVCompAttentionMixin:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)
         kernel_metadata = self._kernel_metadata(worker, layer, query.dtype, attn_metadata)
-        out = super().forward(layer, query, key, value, kv_cache, kernel_metadata, output, output_scale,
-                              output_block_scale)
+        if kernel_metadata is not None:
+            output = super().forward(layer, query, key, value, kv_cache, kernel_metadata, output, output_scale,
+                                     output_block_scale)
         n = attn_metadata.num_actual_tokens
         worker.after_attention(layer.layer_name, query[:n], output[:n], attn_metadata.query_start_loc,
                                attn_metadata.slot_mapping)
-        return out
+        return output
 
     def _kernel_metadata(self, worker, layer, dtype: torch.dtype, meta):
-        """``meta`` with recomputed rows trimmed (built once per step and metadata object)."""
+        """``meta`` with recomputed rows trimmed (built once per step and metadata object); None
+        when the worker attends every row (the parent kernel has nothing to do)."""
         for seen, trimmed in worker.trimmed:  # by identity: one entry per metadata object of the step
             if seen is meta:
                 return trimmed
         rows = worker.rows_to_recompute(meta.query_start_loc, meta.slot_mapping)
         trimmed = meta
-        if rows:
+        if rows and len(rows) == meta.query_start_loc.numel() - 1:
+            trimmed = None
+        elif rows:
             seq_lens, table = trim_rows(meta.seq_lens, meta.block_table, meta.query_start_loc, rows,
                                         worker.block_size)
             trimmed = self.with_lengths(layer, dtype, meta, seq_lens, table)
