@@ -152,6 +152,11 @@ LEDGER: tuple[Use, ...] = (
         "caller get_kv_cache_configs passes in the get_needed_memory partial): vLLM refuses to start when one "
         "max_model_len sequence does not fit the KV cache; prefill=stream requests hold a bounded part of theirs",
         "the opt-in flag has no effect (vLLM refuses max_model_len beyond the KV cache)"),
+    Use(f"{_KV}.v1.multi_connector:MultiConnector._get_connector_classes_and_configs", "PATCH (installed at "
+        "plugin load): vLLM's MultiConnector builds each child with a copy of the config naming only that child, "
+        "so our connector cannot see it is composed; the wrapper refuses a composition that includes it (before "
+        "any connector is built, and when vLLM asks for the KV-cache layout)", "a MultiConnector composing "
+        "us with LMCache / NIXL / offloading starts, and they read or move blocks whose pages we repack"),
     Use("vllm.v1.request:Request.__init__", "abort_immediately: abort a request that can never fit the KV "
         "cache as it arrives (vLLM would keep it waiting forever)", "such a request waits forever",
         param="abort_immediately"),
@@ -407,6 +412,25 @@ def allow_max_model_len_beyond_kv_cache(opted_in: Callable[[Any], bool]) -> None
 
     relaxed._kvcomp_relaxed = True
     kv_cache_utils._check_enough_kv_cache_memory = relaxed
+
+
+def refuse_composition(connector_name: str, why: str) -> None:
+    """PATCH (see the ledger), installed once at plugin load: vLLM's MultiConnector raises
+    ``ValueError(why)`` when one of its children is ``connector_name``."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    children = MultiConnector._get_connector_classes_and_configs
+    if getattr(children, "_kvcomp_refusing", False):
+        return
+
+    def refusing(vllm_config: Any) -> list[tuple[type, Any]]:
+        for ktc in vllm_config.kv_transfer_config.kv_connector_extra_config.get("connectors") or ():
+            if ktc.get("kv_connector") == connector_name:
+                raise ValueError(why)
+        return children(vllm_config)
+
+    refusing._kvcomp_refusing = True
+    MultiConnector._get_connector_classes_and_configs = staticmethod(refusing)
 
 
 def cap_prefix_cache_hits(kv_cache_manager: Any, cap_tokens: Callable[[Any], int | None]) -> None:

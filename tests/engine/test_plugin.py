@@ -62,3 +62,30 @@ def test_the_connector_refuses_to_be_composed_with_another():
     composed = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector="MultiConnector"))
     with pytest.raises(ValueError, match=r"only KV connector.*MultiConnector"):
         KVCompConnector(composed, KVConnectorRole.WORKER)
+
+
+def test_a_multiconnector_that_includes_ours_does_not_start():
+    """vLLM's MultiConnector hands each child a copy of the config naming only that child, so the
+    connector alone cannot tell it is composed: the plugin makes vLLM's MultiConnector refuse the
+    composition (building its children, and when vLLM asks it for the KV-cache layout), with vLLM's
+    own example connector beside ours; a composition without ours is left alone."""
+    import copy
+
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    plugin.register_with_vllm()
+    plugin.register_with_vllm()  # idempotent: one wrapper
+
+    def composed(*children: str) -> SimpleNamespace:
+        connectors = [{"kv_connector": name, "kv_role": "kv_both"} for name in children]
+        return SimpleNamespace(kv_transfer_config=KVTransferConfig(
+            kv_connector="MultiConnector", kv_role="kv_both", kv_connector_extra_config={"connectors": connectors}))
+
+    ours_and_example = composed(plugin.CONNECTOR_NAME, "ExampleConnector")
+    with pytest.raises(ValueError, match="cannot be a child of vLLM's MultiConnector"):
+        MultiConnector._get_connector_classes_and_configs(copy.copy(ours_and_example))
+    with pytest.raises(ValueError, match="cannot be a child of vLLM's MultiConnector"):
+        MultiConnector.get_required_kvcache_layout(copy.copy(ours_and_example))
+    others = MultiConnector._get_connector_classes_and_configs(composed("ExampleConnector"))
+    assert [cls.__name__ for cls, _ in others] == ["ExampleConnector"]

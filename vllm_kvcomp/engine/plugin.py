@@ -4,7 +4,8 @@
   ``FLASH_ATTN`` and ``TRITON_ATTN`` on CUDA). Each behaves exactly like its parent unless the
   kvcomp connector is active. Other backends (FlashInfer, MLA, ...) are refused by the connector.
 - KV connector: registered as ``KVCompConnector``; enabling compression is the one engine
-  argument ``kv_transfer_config=kv_transfer_config()``.
+  argument ``kv_transfer_config=kv_transfer_config()``. vLLM's MultiConnector refuses to compose it
+  with another connector (:data:`COMPOSED`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ import vllm_kvcomp.vllm_compat as vllm_compat  # not `from vllm_kvcomp import`: 
 
 CONNECTOR_NAME = "KVCompConnector"
 CONNECTOR_MODULE = "vllm_kvcomp.engine.connector"
+#: why a MultiConnector that includes ours does not start
+COMPOSED = (f"vllm-kvcomp's {CONNECTOR_NAME} cannot be a child of vLLM's MultiConnector: it repacks each request's "
+            "pages and rewrites its block tables, which another connector (LMCache, NIXL, offloading) would read or "
+            f"transfer as full-cache blocks. Use {CONNECTOR_NAME} alone (kv_transfer_config="
+            "vllm_kvcomp.engine.plugin.kv_transfer_config(), or `vllm-kvcomp serve`).")
 
 
 def register_with_vllm() -> None:
@@ -22,6 +28,7 @@ def register_with_vllm() -> None:
     for name, path in backend_overrides(vllm_compat.platform_kind()).items():
         vllm_compat.register_attention_backend(name, path)
     vllm_compat.allow_max_model_len_beyond_kv_cache(long_prompts_allowed)
+    vllm_compat.refuse_composition(CONNECTOR_NAME, COMPOSED)
 
 
 def long_prompts_allowed(vllm_config: Any) -> bool:
