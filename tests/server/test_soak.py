@@ -371,3 +371,48 @@ def test_ratios_a_policy_refuses_on_the_model_are_not_drawn(tmp_path):
     drawn = [d for d in (source.draw() for _ in range(400)) if d.malformed is None]
     assert {d.ratio for d in drawn if d.label == "razor"} == {0.5}
     assert {d.ratio for d in drawn if d.label == "snapkv"} == {0.125, 0.25, 0.5}
+
+
+def test_trim_gives_a_process_free_heap_back():
+    """--trim-at-idle: a process that freed most of its heap (the last block still live, so the
+    heap cannot shrink from the top) holds far less after the trim; idle points report both."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    script = ("import sys, time\n"
+              "blocks = [bytearray(100_000) for _ in range(3000)]\n"  # ~300 MB on the heap (< mmap threshold)
+              "keep = blocks[-1]\n"
+              "del blocks\n"
+              "print('ready', flush=True)\n"
+              "time.sleep(120)\n")
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        processes = object.__new__(soak.ServerProcesses)
+        processes.api = psutil.Process(child.pid)
+        before = processes.api.memory_info().rss / 2**20
+        processes.trim()
+        after = processes.api.memory_info().rss / 2**20
+        assert before - after > 200, (before, after)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_trimmed_idle_points_are_reported_with_their_slope():
+    runs = synthetic_runs()
+    mixed = runs[0]
+    for i, point in enumerate(mixed.idles):
+        point.t = 200.0 + 300 * i
+        point.rss_trimmed = {"api": 800.0, "engine": 700.0, "worker": 2000.0 + 10 * i}
+    rows = soak.trimmed_rows(mixed)
+    shown = rows["worker RSS at the idle points, MB: as sampled → after malloc_trim"]
+    assert shown == ", ".join(f"{p.rss.get('worker', math.nan):.0f} → {2000 + 10 * i}" for i, p in enumerate(mixed.idles))
+    after = [p for p in mixed.idles if p.t >= mixed.settings["warmup"]]
+    slope = soak.fit_slope([(p.t, p.rss_trimmed["worker"]) for p in after]) * 3600
+    assert slope == pytest.approx(120.0)  # 10 MB per 300 s
+    assert rows["slope of the trimmed idle-point RSS after warm-up, worker / total (MB/h)"] == "+120.0 / +120.0"
+    assert soak.trimmed_rows(runs[1]) == {}  # no trimmed readings: no rows
+    assert "after malloc_trim" in soak.render(runs, None)

@@ -30,12 +30,15 @@ cache is hit, shared by running requests, and copy-on-compress runs. Every ``--s
 RSS of the API server, the engine core and its workers, vLLM's KV usage, running / waiting /
 preemption counts and the ``vllm:kvcomp_*`` gauges; per request the status, TTFT, inter-token
 gaps and usage. ``--baseline`` then runs the same soak with full cache only (``none`` and
-``policy=full``) on a fresh server, so the report can say what RSS noise is. The report goes to
+``policy=full``) on a fresh server, so the report can say what RSS noise is. ``--trim-at-idle``
+makes every server process give its free heap back at each idle point (glibc ``malloc_trim``
+through gdb) and records RSS again: glibc keeps freed memory of varying-size tensors mapped
+(its high-water mark rises in steps), so only the trimmed readings tell a leak from retention. The report goes to
 ``--out``; the raw records to ``<out>_<run>.jsonl`` and one plot to ``<out>_timeline.png``.
 
 ::
 
-    vllm-kvcomp bench soak --baseline --out docs/results/soak.md      # 2 x 20 minutes
+    vllm-kvcomp bench soak --baseline --trim-at-idle --out docs/results/soak.md   # 2 x 20 minutes
     vllm-kvcomp bench soak --policies none --duration 600               # full cache only
 """
 
@@ -49,6 +52,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import statistics
 import string
@@ -483,6 +487,21 @@ class ServerProcesses:
             raise RuntimeError(f"expected one server process on port {port}, found {len(found)}")
         self.api = found[0]
 
+    def trim(self) -> None:
+        """Every server process returns its free heap pages to the system (glibc ``malloc_trim(0)``
+        called through gdb): RSS then counts what is live, not what the allocator keeps."""
+        import subprocess
+
+        import psutil
+
+        try:
+            pids = [self.api.pid, *(c.pid for c in self.api.children(recursive=True))]
+        except psutil.Error:
+            return
+        for pid in pids:
+            subprocess.run(["gdb", "-p", str(pid), "-batch", "-nx", "-ex", "call (int)malloc_trim(0)"],
+                           capture_output=True, timeout=120, check=False)
+
     def snapshot(self) -> tuple[dict[str, float], tuple[int, ...]]:
         """RSS in MB per role, and the engine-side pids; empty when the API server is gone."""
         import psutil
@@ -514,6 +533,9 @@ class IdlePoint:
     prefix_hits: float  # vllm:prefix_cache_hits_total so far
     rss: dict[str, float]
     final: bool = False
+    #: with --trim-at-idle: RSS per role after every server process gave its free heap back
+    #: (glibc ``malloc_trim``): what the processes really hold, allocator retention left out
+    rss_trimmed: dict[str, float] = field(default_factory=dict)
 
     @property
     def clean(self) -> bool:
@@ -639,6 +661,9 @@ async def _idle_point(soak: Soak, final: bool = False) -> IdlePoint:
         reading = (await soak.metrics())[0]
     point = IdlePoint(soak.now(), time.monotonic() - start, reached, reading.get(USAGE, math.nan), reading.get(HELD, 0.0),
                       reading.get(SAVED, 0.0), reading.get(PREFIX_HITS, 0.0), soak.processes.snapshot()[0], final)
+    if soak.args.trim_at_idle:
+        await asyncio.to_thread(soak.processes.trim)
+        point.rss_trimmed = soak.processes.snapshot()[0]
     print(f"[soak idle point {point.t:6.0f} s] after {point.waited:.0f} s: running/waiting 0: {reached}, KV usage "
           f"{point.kv_usage:.4f}, kvcomp held {point.held:.0f} saved {point.saved:.0f}", flush=True)
     soak.paused += point.waited
@@ -809,7 +834,7 @@ def soak_run(args: argparse.Namespace, name: str, labels: list[str], left_out: l
                    soak.now(), alive, log_errors(log, log_size), reap(engine_pids))
 
 
-SETTINGS = ("duration", "clients", "wave_clients", "wave_every", "wave_seconds", "idle_every", "pool_blocks",
+SETTINGS = ("trim_at_idle", "duration", "clients", "wave_clients", "wave_every", "wave_seconds", "idle_every", "pool_blocks",
             "max_len", "min_prompt", "max_prompt", "min_output", "max_output", "ratios", "abort_share",
             "malformed_share", "repeat_share", "warmup", "window", "seed")
 
@@ -912,6 +937,7 @@ def summary_rows(run: RunData) -> dict[str, str]:
         "KV usage at the idle points": ", ".join(f"{p.kv_usage:g}" for p in run.idles) or "-",
         "RSS start → end, MB (api + engine + worker)": f"{sum(first.values()):.0f} → {sum(last.values()):.0f}",
         **{f"RSS slope after warm-up, {role} (MB/h)": _f(v, 1, sign=True) for role, v in slopes.items()},
+        **trimmed_rows(run),
         "preemptions (vllm:num_preemptions_total)": _f(preemptions(run), 0),
         "prefix-cache hits / queries (tokens)": f"{last_sample.get(PREFIX_HITS, 0):.0f} / {last_sample.get(PREFIX_QUERIES, 0):.0f}",
         "engine restarted (engine core / worker pids changed)": "yes" if restarted(run) else "no",
@@ -922,6 +948,23 @@ def summary_rows(run: RunData) -> dict[str, str]:
         "TTFT p50 / p99 (s), compressed streams": f"{_f(comp['ttft50'])} / {_f(comp['ttft99'])} (n={comp['n']})",
         "ITL p50 / p99 (ms), uncompressed": f"{_f(unc['itl50'] * 1e3, 0)} / {_f(unc['itl99'] * 1e3, 0)}",
         "ITL p50 / p99 (ms), compressed": f"{_f(comp['itl50'] * 1e3, 0)} / {_f(comp['itl99'] * 1e3, 0)}",
+    }
+
+
+def trimmed_rows(run: RunData) -> dict[str, str]:
+    """With --trim-at-idle: the worker's and the total RSS at the idle points after the heap was
+    given back, and their slope over the idle points after warm-up (a leak grows; retention does not)."""
+    points = [p for p in run.idles if p.rss_trimmed]
+    if not points:
+        return {}
+    after = [p for p in points if p.t >= run.settings["warmup"]]
+    worker = [(p.t, p.rss_trimmed.get("worker", math.nan)) for p in after]
+    total = [(p.t, sum(p.rss_trimmed.values())) for p in after]
+    return {
+        "worker RSS at the idle points, MB: as sampled → after malloc_trim":
+            ", ".join(f"{p.rss.get('worker', math.nan):.0f} → {p.rss_trimmed.get('worker', math.nan):.0f}" for p in points),
+        "slope of the trimmed idle-point RSS after warm-up, worker / total (MB/h)":
+            f"{_f(fit_slope(worker) * 3600, 1, sign=True)} / {_f(fit_slope(total) * 3600, 1, sign=True)}",
     }
 
 
@@ -1119,6 +1162,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--idle-timeout", type=float, default=60,
         help="idle point: longest wait, once every client has its answer, for running = waiting = 0")
     add("--sample-every", type=float, default=5)
+    add("--trim-at-idle", action="store_true",
+        help="at each idle point make every server process give its free heap back (glibc malloc_trim through "
+             "gdb, which must be installed) and record RSS again: tells allocator retention from leaks")
     add("--warmup", type=float, default=180, help="seconds left out of the RSS slope fit")
     add("--window", type=float, default=120, help="seconds per latency window in the report")
     add("--pool-blocks", type=int, default=2 * 72, help="KV blocks of 32 tokens (default: ~two full 2K requests)")
@@ -1144,6 +1190,9 @@ def soak_all(args: argparse.Namespace) -> list[RunData]:
     every run's raw records written next to ``--out``."""
     from vllm_kvcomp.models import fetch_default_model
 
+    if args.trim_at_idle and shutil.which("gdb") is None:
+        raise SystemExit("--trim-at-idle calls malloc_trim in the server processes through gdb: install gdb "
+                         "(Debian: apt-get install gdb) or leave the flag out")
     model_dir = Path(args.model) if args.model else fetch_default_model()
     args.served_name = args.served_name or (MODEL_NAME if args.model is None else model_dir.name)
     _check_sizes(args, model_facts(model_dir)[1])
