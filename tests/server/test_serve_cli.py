@@ -93,6 +93,16 @@ def test_no_model_serves_the_bundled_one(monkeypatch, model_dir):
     assert parse(["--served-model-name", "mine"]).served_model_name == ["mine"]
 
 
+def test_a_fetchable_model_by_name(monkeypatch, model_dir, tmp_path):
+    fetched = []
+    monkeypatch.setattr(cli, "fetch_model", lambda name: fetched.append(name) or model_dir)
+    args = parse(["gemma-3-270m"])
+    assert args.model == str(model_dir) and args.served_model_name == ["gemma-3-270m"] and fetched == ["gemma-3-270m"]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gemma-3-270m").mkdir()  # a folder of that name here wins
+    assert parse(["gemma-3-270m"]).model == "gemma-3-270m" and fetched == ["gemma-3-270m"]
+
+
 def test_operator_config_is_checked_and_made_absolute(model_dir, tmp_path, monkeypatch):
     (tmp_path / "ops.yaml").write_text("default: {policy: lagkv}\n")
     monkeypatch.chdir(tmp_path)

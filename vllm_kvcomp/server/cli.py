@@ -7,7 +7,8 @@ vLLM's own OpenAI server, parsed by vLLM's argument parser and run in this proce
 - ``--kv-compression-config PATH``: the operator YAML, checked before the engine starts
   (without it: no compression unless a request asks, every policy allowed);
 - no MODEL: the bundled SmolLM2-135M-Instruct, fetched and converted on first use and served
-  under the name ``SmolLM2-135M-Instruct``;
+  under the name ``SmolLM2-135M-Instruct``; MODEL a name of ``vllm-kvcomp model list`` (e.g.
+  ``gemma-3-270m``) and no such folder here: that model, the same way, served under its name;
 - on CPU: float32, eager mode, ``--max-model-len`` 8192 (or the model's own limit if smaller)
   and a KV cache of 4 GiB or a quarter of the free RAM, whichever is less
   (``--kv-cache-memory-bytes``; vLLM's ``--gpu-memory-utilization`` is a share of one NUMA
@@ -30,7 +31,7 @@ from typing import Any
 
 from vllm_kvcomp import vllm_compat
 from vllm_kvcomp.engine.plugin import CONNECTOR_NAME, kv_transfer_config
-from vllm_kvcomp.models import MODEL_NAME, ModelError, fetch_default_model
+from vllm_kvcomp.models import MODEL_NAME, SOURCES, ModelError, fetch_default_model, fetch_model
 from vllm_kvcomp.server.operator_config import ConfigError, OperatorConfig
 
 DESCRIPTION = "vLLM's OpenAI-compatible server with per-request KV-cache compression (docs/server.md)."
@@ -71,6 +72,10 @@ def prepare(args: argparse.Namespace, vllm_defaults: dict[str, Any], on_cpu: boo
         args.model = str(fetch_default_model())
         if args.served_model_name is None:
             args.served_model_name = [MODEL_NAME]
+    elif args.model in SOURCES and not Path(args.model).exists():
+        name, args.model = args.model, str(fetch_model(args.model))
+        if args.served_model_name is None:
+            args.served_model_name = [name]
     defaults = dict(vllm_defaults)
     if on_cpu:
         defaults.update(cpu_defaults(args.model))
