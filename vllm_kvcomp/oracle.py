@@ -17,7 +17,8 @@ request, greedy decoding. The timing, which the vLLM integration must reproduce 
    ``[N - n_h, N)``, N = max n_h, zeros elsewhere), ``lengths`` ``[H_kv]``, ``positions``
    ``[H_kv, N]`` (logical, -1 where invalid), the last ``w = policy.queries_needed()`` post-RoPE
    queries ``[H_q, w, D]`` (fewer if fewer were processed; None if w = 0) with their
-   ``query_positions``, ``layer``, ``num_layers`` and the attention ``scale``. Then
+   ``query_positions``, ``layer``, ``num_layers`` and the attention ``scale`` (and, for a policy
+   with ``NEEDS_OUT_PROJ``, ``out_proj``: the layer's ``o_proj.weight`` split by query head). Then
    ``policy.decide(layers, state)`` runs once for all layers with the request's single
    :class:`~vllm_kvcomp.policies.base.RequestState` (``prompt_len`` = P; with a ``block_size``,
    ``page_quantum = (block_size, M % block_size)`` for M tokens processed, so every head keeps a
@@ -31,9 +32,14 @@ request, greedy decoding. The timing, which the vLLM integration must reproduce 
    head's kept tokens, every token appended since, and the token itself, plus the compensation
    token weighted by N_d (eq. 5, :func:`~vllm_kvcomp.policies.compensation.compensated_attention`).
    The argmax of the logits is the next token; its log-softmax value is recorded.
-   *After* that forward, if ``policy.RECOMPRESSES`` and ``policy.due(state, num_tokens=M,
+   *After* that forward, if ``policy.recompresses`` (``RECOMPRESSES`` and ``scope=all``) and ``policy.due(state, num_tokens=M,
    steps_since=S)`` — M = max live tokens over all layers and heads (kept + appended), S = decode
    forwards since the last compression — step 2 runs again on the current stores.
+
+**Context scope** (``scope=context``, C = ``policy.context_end(P)``): ``RequestState.prompt_len``
+is C, the query windows hold only queries of positions before C, and step 2 runs once, after the
+prefill: the policy decides over the first C tokens of every head (``LayerKV.context``) and every
+token after them is kept; there is no decode recompression.
 
 Attention variants are the model's own: soft-capped logits (``softcap``, Gemma 2) and learned
 sink logits (``s_aux``, gpt-oss) enter every attention, the compensation token's included.
@@ -56,7 +62,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_kvcomp.policies.base import Compensation, LayerKV, Policy, RequestState, Selection
+from vllm_kvcomp.policies.base import (
+    Compensation,
+    LayerKV,
+    Policy,
+    RequestState,
+    Selection,
+    out_proj_heads,
+)
 from vllm_kvcomp.policies.compensation import attention_with_lse, compensated_attention, with_sinks
 
 if TYPE_CHECKING:
@@ -159,7 +172,9 @@ class _Session:
         self.window = window
         self.layers: list[_LayerStore | None] = [None] * num_layers
         self.sliding: dict[int, int] = {}  # layer -> sliding window: attends its window, never compressed
+        self.window_limit: int | None = None  # scope=context: queries of positions before it only
         self.new_positions = torch.zeros(0, dtype=torch.long)  # [T] of the running forward
+        self.out_proj: dict[int, torch.Tensor] = {}  # layer -> its o_proj weight [hidden, H_q * D]
 
     def compressed_layers(self) -> list[int]:
         """The layers a policy compresses: every full-attention layer."""
@@ -224,8 +239,9 @@ class _Session:
                 )
             outs.append(out)
         if self.window:
-            store.queries = torch.cat([store.queries, q], dim=1)[:, -self.window:]
-            store.query_positions = torch.cat([store.query_positions, pos])[-self.window:]
+            before = pos < self.window_limit if self.window_limit is not None else torch.ones_like(pos, dtype=torch.bool)
+            store.queries = torch.cat([store.queries, q[:, before]], dim=1)[:, -self.window:]
+            store.query_positions = torch.cat([store.query_positions, pos[before]])[-self.window:]
         return torch.cat(outs, dim=1)
 
 
@@ -285,6 +301,14 @@ def _forward(model: PreTrainedModel, session: _Session, ids: Sequence[int], star
     return token, float(logprobs[token])
 
 
+def output_projections(model: PreTrainedModel) -> dict[int, torch.Tensor]:
+    """Layer index -> the weight [hidden, H_q·D] of its attention's output projection: the
+    ``o_proj`` of every attention module (one with a ``layer_idx``), e.g.
+    ``model.model.layers[i].self_attn.o_proj``."""
+    return {module.layer_idx: module.o_proj.weight.detach() for module in model.modules()
+            if hasattr(module, "layer_idx") and isinstance(getattr(module, "o_proj", None), torch.nn.Linear)}
+
+
 def chunk_ends(prompt_len: int, chunks: int | Sequence[int] | None) -> list[int]:
     """Where the prefill chunks end: every ``chunks`` tokens, or the given ends, then the prompt's."""
     if chunks is None:
@@ -320,6 +344,10 @@ def _compress(
     state.page_quantum = None if block_size is None else (block_size, num_tokens % block_size)
     layers = session.compressed_layers()
     views = [session.store(i).as_layer_kv(i, session.num_layers, session.window) for i in layers]
+    for view in views if policy.NEEDS_OUT_PROJ else ():
+        if view.layer not in session.out_proj:
+            raise ValueError(f"layer {view.layer} has no output projection (o_proj), which {policy.name!r} reads")
+        view.out_proj = out_proj_heads(session.out_proj[view.layer], view.keys.shape[-1])
     selections = policy.decide(views, state)
     if len(selections) != len(layers):
         raise ValueError(f"policy {policy.name!r} returned {len(selections)} selections for {len(layers)} layers")
@@ -361,7 +389,10 @@ def generate(
         policy = bind_profile(policy, profile)
     compresses = policy is not None and policy.name != "full"
     session = _Session(model.config.num_hidden_layers, policy.queries_needed() if compresses else 0)
-    state = RequestState(prompt_len=len(prompt_token_ids))
+    session.out_proj = output_projections(model)
+    state = RequestState(prompt_len=policy.context_end(len(prompt_token_ids)) if compresses else len(prompt_token_ids))
+    if compresses and policy.scope == "context":
+        session.window_limit = state.prompt_len
     result = OracleResult([], [])
 
     token, logprob = _prefill(model, session, prompt_token_ids, policy if compresses else None, state,
@@ -379,7 +410,7 @@ def generate(
         steps_since += 1
         result.token_ids.append(token)
         result.logprobs.append(logprob)
-        if compresses and policy.RECOMPRESSES and policy.due(state, session.max_live(), steps_since):
+        if compresses and policy.recompresses and policy.due(state, session.max_live(), steps_since):
             result.compressions.append(_compress(session, policy, state, decode_steps, processed, block_size))
             steps_since = 0
     return result

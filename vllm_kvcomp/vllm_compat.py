@@ -138,6 +138,25 @@ LEDGER: tuple[Use, ...] = (
         "hybrid models (sliding-window groups stay vLLM's)", "hybrid models are served uncompressed"),
     Use("vllm.model_executor.models.utils:extract_layer_index", "layer order of the registered caches",
         "per-layer state is mis-ordered"),
+    Use("vllm.model_executor.layers.attention:Attention", "criticalkv reads the output projection of the "
+        "block holding each Attention layer, recorded as the model is built (torch's public module-registration "
+        "hook: no vLLM hook gives a KV connector the model; goes away when one does): the layer's per-rank query "
+        "heads and head size (num_heads, head_size, read only here) check the weight's split",
+        "criticalkv requests are served uncompressed (the reason says so)"),
+    Use("vllm.model_executor.models.llama:LlamaAttention", "the attention block's output projection is its "
+        "``o_proj`` (Llama, Qwen, Mistral, Gemma, gpt-oss... name it so); goes away with the hook above",
+        "criticalkv requests are served uncompressed (the reason says so)"),
+    Use("vllm.model_executor.layers.linear:RowParallelLinear", "o_proj's weight [hidden, input_size_per_partition]"
+        " holds this rank's query heads' columns (split by input, contiguous like the rank's heads)",
+        "criticalkv under tensor parallelism would pair heads with another rank's W_o (checked: served "
+        "uncompressed instead)", attrs=("input_size_per_partition",)),
+    Use("vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm", "on CPU vLLM packs every linear weight "
+        "for oneDNN and replaces it by an empty one (remove_weight=True); we keep the loaded o_proj weights of "
+        "kvcomp engines (one [hidden, H_q·D] matrix per layer stays allocated); goes away if vLLM keeps the "
+        "weight or hands connectors the model", "criticalkv on CPU is served uncompressed (no weight to read)",
+        param="remove_weight"),
+    Use("vllm.config:get_current_vllm_config_or_none", "the config of the model being built: only kvcomp "
+        "engines' attention blocks are tracked", "criticalkv requests are served uncompressed"),
     Use("vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager._remove_blocks_in_range",
         "free blocks of a running request, as the sliding-window managers do; no public API frees part "
         "of a request", "compressed requests keep all their blocks (no memory saved)"),
@@ -294,6 +313,81 @@ def layer_attention(layer: Any) -> LayerAttention:
     return LayerAttention(scale=float(impl.scale), softcap=float(getattr(impl, "logits_soft_cap", 0) or 0),
                           sinks=getattr(impl, "sinks", None), alibi_slopes=getattr(impl, "alibi_slopes", None),
                           kv_sharing_target=getattr(layer, "kv_sharing_target_layer_name", None))
+
+
+#: vLLM ``Attention`` layer -> weak reference to the module that registered it (its attention block)
+_ATTENTION_OWNERS: Any = None
+#: an attention block's ``o_proj`` -> its loaded weight, kept where vLLM drops it (CPU repacking)
+_DROPPED_WEIGHTS: Any = None
+
+
+def track_attention_owners(wanted: Callable[[Any], bool]) -> None:
+    """Installed once per process at plugin load, before vLLM builds a model; for models whose
+    vLLM config is ``wanted`` (the kvcomp connector's), through torch's public registration hooks:
+    remember which module holds each vLLM ``Attention`` (its attention block), weakly, and keep
+    the block's ``o_proj`` weight when vLLM's CPU path replaces it by an empty one after packing
+    it for oneDNN (``dispatch_cpu_unquantized_gemm(remove_weight=True)``)."""
+    global _ATTENTION_OWNERS, _DROPPED_WEIGHTS
+    if _ATTENTION_OWNERS is not None:
+        return
+    import weakref
+
+    from torch.nn.modules.module import (
+        register_module_module_registration_hook,
+        register_module_parameter_registration_hook,
+    )
+
+    owners: Any = weakref.WeakKeyDictionary()
+    dropped: Any = weakref.WeakKeyDictionary()
+
+    def remember_owner(module: Any, name: str, submodule: Any) -> None:
+        if type(submodule).__module__.startswith("vllm.") and submodule not in owners:
+            from vllm.config import get_current_vllm_config_or_none
+            from vllm.model_executor.layers.attention import Attention
+
+            config = get_current_vllm_config_or_none()
+            if isinstance(submodule, Attention) and config is not None and wanted(config):
+                owners[submodule] = weakref.ref(module)
+
+    def keep_dropped_weight(module: Any, name: str, param: Any) -> None:
+        if name == "weight" and param.numel() == 0 and getattr(module, "weight", None) is not None and any(
+                getattr(ref(), "o_proj", None) is module for ref in owners.values()):
+            dropped[module] = module.weight  # still the loaded one: torch calls the hook before replacing it
+
+    register_module_module_registration_hook(remember_owner)
+    register_module_parameter_registration_hook(keep_dropped_weight)
+    _ATTENTION_OWNERS, _DROPPED_WEIGHTS = owners, dropped
+
+
+def attention_output_weight(layer: Any) -> Any:
+    """This rank's output-projection weight [hidden, H_q_local · D] of the attention block
+    holding the vLLM ``Attention`` ``layer`` (its ``o_proj``, a ``RowParallelLinear`` split by
+    input: the columns of the rank's own query heads, in order). NotImplementedError saying why
+    there is none (not seen being built, no ``o_proj``, quantized, split otherwise)."""
+    import torch
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    name = getattr(layer, "layer_name", "?")
+    ref = None if _ATTENTION_OWNERS is None else _ATTENTION_OWNERS.get(layer)
+    owner = None if ref is None else ref()
+    if owner is None:
+        raise NotImplementedError(f"layer {name}: its attention block was not seen being built (the vllm-kvcomp "
+                                  "plugin must load before the model)")
+    proj = getattr(owner, "o_proj", None)
+    if not isinstance(proj, RowParallelLinear):
+        raise NotImplementedError(f"layer {name}: {type(owner).__name__} has no o_proj output projection "
+                                  "(RowParallelLinear)")
+    weight = getattr(proj, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.numel() == 0:
+        weight = _DROPPED_WEIGHTS.get(proj)
+    features = layer.num_heads * layer.head_size
+    if not isinstance(weight, torch.Tensor) or weight.dtype not in (torch.float16, torch.bfloat16, torch.float32,
+                                                                    torch.float64):
+        raise NotImplementedError(f"layer {name}: o_proj holds no plain floating-point weight (quantized?)")
+    if weight.dim() != 2 or weight.shape[1] != features or proj.input_size_per_partition != features:
+        raise NotImplementedError(f"layer {name}: o_proj weight {tuple(weight.shape)} does not hold this rank's "
+                                  f"{layer.num_heads} heads of {layer.head_size}")
+    return weight.detach()
 
 
 def cpu_attention_isa(layer: Any) -> str:

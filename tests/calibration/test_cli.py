@@ -37,7 +37,7 @@ def test_calibrate_all_writes_loadable_profiles(tiny_model_dir, capsys):
     code = main([
         "calibrate", "--model", str(tiny_model_dir), "--kind", "all", "--quiet", "--length", "12",
         "--repeats", "3", "--samples", "2", "--pod-samples", "2", "--pod-words", "40", "--pod-last", "4",
-        "--threads", "1",
+        "--threads", "1", *DUO_SMALL,
     ])
     assert code == 0
     summary = json.loads(capsys.readouterr().out)
@@ -49,6 +49,26 @@ def test_calibrate_all_writes_loadable_profiles(tiny_model_dir, capsys):
     assert razor.settings["prefix"] == [0] and razor.settings["length"] == 12
     assert [list(g) for g in pod.groups] == summary["pod"]["groups"]
     assert sorted(x for g in pod.groups for x in g) == [0, 1, 2]
+    duo = load_profile("duoattention", model_dir=tiny_model_dir)
+    assert len(duo.gates) == 3 and summary["duoattention"]["path"].endswith("duoattention.json")
+
+
+#: small DuoAttention settings: a few steps on short samples (seconds)
+DUO_SMALL = ("--duo-steps", "3", "--duo-min-length", "16", "--duo-max-length", "32", "--duo-sink", "2",
+             "--duo-recent", "4", "--duo-passkeys", "2", "--duo-passkey-words", "2")
+
+
+def test_calibrate_duoattention_trains_the_gates_of_every_kv_head(tiny_model_dir, tmp_path, capsys):
+    code = main(["calibrate", "--model", str(tiny_model_dir), "--kind", "duoattention", "--quiet", "--threads", "1",
+                 "--name", "short", "--out", str(tmp_path), "--seed", "2", *DUO_SMALL])
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert set(summary) == {"model", "duoattention"}
+    profile = load_profile("duoattention", path=tmp_path / "duoattention.short.json")
+    assert [len(row) for row in profile.gates] == [2, 2, 2] and profile.name == "short"
+    assert profile.settings["steps"] == 3 and profile.settings["seed"] == 2 and profile.settings["prefix"] == [0]
+    retrieval = sum(g >= profile.threshold for row in profile.gates for g in row)
+    assert summary["duoattention"]["retrieval_heads"] == f"{retrieval}/6"
 
 
 def test_calibrate_named_profile_into_out_dir(tiny_model_dir, tmp_path, capsys):

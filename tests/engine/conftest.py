@@ -52,14 +52,17 @@ class Engine:
         return get_kv_transfer_group().worker
 
 
-#: calibration profiles written next to the tiny model (razor: retrieval KV heads; pod: groups)
+#: calibration profiles written next to the tiny model (razor: retrieval KV heads; pod: groups;
+#: duoattention: gates [layer][KV head] whose retrieval heads, gate ≥ 0.5, are razor's)
 RETRIEVAL_KV_HEADS = frozenset({(0, 1), (2, 0)})
 POD_GROUPS = ((0, 1), (2,))
+DUO_GATES = ((0.2, 0.9), (0.4, 0.0), (0.6, 0.1))
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from vllm_kvcomp.calibration.profiles import (
+        HeadGatesProfile,
         LayerGroupsProfile,
         ModelIdentity,
         RetrievalHeadsProfile,
@@ -70,6 +73,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     model = ModelIdentity.from_model_dir(path)
     save_profile(RetrievalHeadsProfile(model=model, kv_heads=RETRIEVAL_KV_HEADS), model_dir=path)
     save_profile(LayerGroupsProfile(model=model, groups=POD_GROUPS), model_dir=path)
+    save_profile(HeadGatesProfile(model=model, gates=DUO_GATES), model_dir=path)
     return path
 
 

@@ -24,11 +24,11 @@ def oracle_model(engine):
     return load_model(engine.model_dir)
 
 
-def _oracle(engine, oracle_model, prompt, name):
+def _oracle(engine, oracle_model, prompt, name, **settings):
     from vllm_kvcomp.engine.policy_factory import PolicyFactory
     from vllm_kvcomp.oracle import generate as oracle_generate
 
-    spec = CompressionSpec.from_mapping({"policy": name, **SPECS[name]})
+    spec = CompressionSpec.from_mapping({"policy": name, **SPECS[name], **settings})
     policy = PolicyFactory(str(engine.model_dir)).build(spec)
     return oracle_generate(oracle_model, prompt, policy, MAX_TOKENS, block_size=BLOCK_SIZE)
 
@@ -84,3 +84,21 @@ def test_chunked_prefill_window_spans_chunks(engine, oracle_model, name):
     policy = CompressionSpec.from_mapping({"policy": name, **spec}).build_policy()
     _assert_same(out, oracle_generate(oracle_model, prompt, policy, MAX_TOKENS, block_size=BLOCK_SIZE),
                  f"chunked {name}")
+
+
+def test_context_scope_matches_oracle(engine, oracle_model):
+    """``scope=context``: every policy in one batch compresses the first 230 of its ~300 tokens
+    with the context's own queries and keeps the rest, as the oracle does; a 1034-token prompt in
+    512-token chunks whose context ends inside the second chunk does too."""
+    names = [n for n in POLICY_NAMES if n != "full"]
+    context = {"scope": "context", "context_tokens": 230}
+    prompts = [prompt_ids(PROMPT_LEN - 5 * i, seed=600 + i) for i in range(len(names))]
+    outs = generate(engine, prompts, [params(MAX_TOKENS, policy=n, **SPECS[n], **context) for n in names])
+    for name, prompt, out in zip(names, prompts, outs):
+        expected = _oracle(engine, oracle_model, prompt, name, **context)
+        _assert_same(out, expected, f"{name} scope=context")
+        assert out.kv_transfer_params["kvcomp"]["compressions"] == len(expected.compressions) == 1, name
+    prompt = prompt_ids(1034, seed=700)
+    spec = {**SPECS["snapkv"], "window": 32, "scope": "context", "context_tokens": 700}
+    out = generate(engine, [prompt], params(MAX_TOKENS, policy="snapkv", **spec))[0]
+    _assert_same(out, _oracle(engine, oracle_model, prompt, "snapkv", **spec), "chunked snapkv scope=context")

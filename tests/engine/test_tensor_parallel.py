@@ -2,7 +2,8 @@
 
 Each rank holds half of the KV heads and packs its own pages; policies that rank or average
 across heads (adaptive heads, entropy budgets, razor's global head ids, LagKV's schedule) ask
-every rank (``Ranks``), and the scheduler merges the ranks' reports (a block is freed only when
+every rank (``Ranks``), criticalkv reads each rank's slice of ``o_proj`` (its query heads'
+columns), and the scheduler merges the ranks' reports (a block is freed only when
 every rank freed it; one event per request). A tiny Llama with 4 KV heads (SmolLM2's 3 do not
 split in two), built so that greedy tokens change with the kept set.
 """
@@ -26,6 +27,8 @@ SPECS = {
     "lagkv": {"policy": "lagkv", "ratio": 0.25, "sink": 4, "lag": 32},
     "razor": {"policy": "razor", "ratio": 0.25, "sink": 4, "buffer": 32},
     "pod": {"policy": "pod", "ratio": 0.5, "sink": 4, "window": 16},
+    "criticalkv": {"policy": "criticalkv", "ratio": 0.25, "window": 8},  # each rank's W_o columns
+    "criticalkv-adaptive": {"policy": "criticalkv", "ratio": 0.25, "window": 8, "heads": "adaptive"},
 }
 
 

@@ -295,7 +295,10 @@ class StepHarness:
             from vllm_kvcomp.engine.cache import AttentionVariant
 
             variants = {name: AttentionVariant(dim**-0.5) for name in names}
-            worker.register(caches, index, cache_cls, variants, len(names))
+            q_dim, gen = model.get_num_attention_heads(parallel) * dim, torch.Generator().manual_seed(self.seed)
+            out_proj = {name: torch.randn(model.get_hidden_size(), q_dim, generator=gen) * q_dim**-0.5
+                        for name in names}  # each layer's W_o, as the connector reads it (criticalkv)
+            worker.register(caches, index, cache_cls, variants, len(names), out_proj)
         else:  # the hook took the scale per call before AttentionVariant
             worker.register(caches, index, cache_cls, len(names))
         return worker, names, model.get_num_attention_heads(parallel)

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import torch
 
 from vllm_kvcomp.calibration.profiles import (
+    HeadGatesProfile,
     LayerGroupsProfile,
     ModelIdentity,
     Profile,
@@ -37,14 +38,18 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
+#: hidden size of the fake requests' output projections
+OUT_HIDDEN = 16
 #: a model of the test requests' shape: 2 layers, up to 4 KV heads
 TEST_MODEL = ModelIdentity.from_config({"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 8,
                                         "num_key_value_heads": 4, "hidden_size": 64})
 #: calibration data per profile kind (``Policy.PROFILE``): retrieval heads in both layers and in
-#: both tensor-parallel halves of 4 heads; one group of both layers
+#: both tensor-parallel halves of 4 heads; one group of both layers; DuoAttention gates whose
+#: retrieval heads (gate ≥ 0.5) are razor's
 TEST_PROFILES: dict[str, Profile] = {
     "razor": RetrievalHeadsProfile(model=TEST_MODEL, kv_heads=frozenset({(0, 0), (0, 3), (1, 2)})),
     "pod": LayerGroupsProfile(model=TEST_MODEL, groups=((0, 1),)),
+    "duoattention": HeadGatesProfile(model=TEST_MODEL, gates=((0.9, 0.1, 0.2, 0.8), (0.3, 0.0, 0.7, 0.4))),
 }
 
 
@@ -67,6 +72,8 @@ class FakeRequest:
     query_positions: torch.Tensor  # [T]
     next_position: int
     generator: torch.Generator
+    #: [layer] -> [H_q, D, OUT_HIDDEN] output projection per query head (``LayerKV.out_proj``)
+    out_proj: list[torch.Tensor] = field(default_factory=list)
 
     @classmethod
     def random(
@@ -97,7 +104,10 @@ class FakeRequest:
             values.append(lv)
             positions.append(lp)
         queries = [torch.randn(num_kv_heads * group, num_tokens, dim, generator=gen) * 2 for _ in range(num_layers)]
-        return cls(keys, values, positions, queries, torch.arange(num_tokens), num_tokens, gen)
+        weights = torch.Generator().manual_seed(seed + 7919)  # its own stream: K/V/queries stay as they were
+        out_proj = [torch.randn(num_kv_heads * group, dim, OUT_HIDDEN, generator=weights) * dim ** -0.5
+                    for _ in range(num_layers)]
+        return cls(keys, values, positions, queries, torch.arange(num_tokens), num_tokens, gen, out_proj)
 
     @property
     def num_layers(self) -> int:
@@ -109,8 +119,9 @@ class FakeRequest:
     def max_live(self) -> int:
         return max(max(self.lengths(layer)) for layer in range(self.num_layers))
 
-    def layer_kv(self, layer: int, window: int) -> LayerKV:
-        """Right-aligned [H, N, D] view as the engine passes it, with the last ``window`` queries."""
+    def layer_kv(self, layer: int, window: int, out_proj: bool = False) -> LayerKV:
+        """Right-aligned [H, N, D] view as the engine passes it, with the last ``window`` queries
+        (and the layer's output projection if ``out_proj``, as the engine gives a policy that asks)."""
         lengths = self.lengths(layer)
         n = max(lengths)
         heads = len(lengths)
@@ -129,10 +140,16 @@ class FakeRequest:
         return LayerKV(
             keys, values, layer=layer, num_layers=self.num_layers, lengths=torch.tensor(lengths),
             positions=pos, queries=queries, query_positions=qpos,
+            out_proj=self.out_proj[layer] if out_proj else None,
         )
 
-    def layers(self, window: int) -> list[LayerKV]:
-        return [self.layer_kv(i, window) for i in range(self.num_layers)]
+    def layers(self, window: int, out_proj: bool = False) -> list[LayerKV]:
+        return [self.layer_kv(i, window, out_proj) for i in range(self.num_layers)]
+
+    def inputs(self, policy: Policy) -> list[LayerKV]:
+        """Every layer as the engine gives it to ``policy``: its window of queries, the output
+        projection if it asks (``NEEDS_OUT_PROJ``)."""
+        return self.layers(policy.queries_needed(), policy.NEEDS_OUT_PROJ)
 
     def apply(self, selections: list[Selection]) -> None:
         """Compact every head to exactly the selected slots, in order."""
@@ -198,7 +215,6 @@ class Compression:
 def compressions(policy: Policy, request: FakeRequest, decode_steps: int = 0) -> Iterator[Compression]:
     """The prompt-end compression of ``request``, then every recompression that falls due in
     ``decode_steps`` decode steps; each selection is applied once the caller has looked at it."""
-    window = policy.queries_needed()
     prompt = [request.lengths(layer) for layer in range(request.num_layers)]
     state = RequestState(prompt_len=request.next_position)
     steps_since = 0
@@ -208,7 +224,7 @@ def compressions(policy: Policy, request: FakeRequest, decode_steps: int = 0) ->
             steps_since += 1
             if not (policy.RECOMPRESSES and policy.due(state, request.max_live(), steps_since)):
                 continue
-        layers = request.layers(window)
+        layers = request.inputs(policy)
         selections = policy.decide(layers, state)
         yield Compression(layers, selections, state, [[n + step for n in heads] for heads in prompt])
         request.apply(selections)

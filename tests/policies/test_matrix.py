@@ -176,13 +176,11 @@ def test_page_rounding_keeps_a_superset_on_the_page_grid(case, n, group, fake_re
     """With the engine's page quantum every head keeps ≡ residue (mod bs) slots (or all), a
     superset of what it keeps without rounding, through decode recompressions too."""
     block_size = 8
-    window = make_case(case).queries_needed()
-    plain = make_case(case).decide(fake_request(n, 2, group, seed=n).layers(window),
-                                                RequestState(prompt_len=n))
     policy = make_case(case)
+    plain = make_case(case).decide(fake_request(n, 2, group, seed=n).inputs(policy), RequestState(prompt_len=n))
     request = fake_request(n, 2, group, seed=n)
     state = RequestState(prompt_len=n, page_quantum=(block_size, n % block_size))
-    layers = request.layers(window)
+    layers = request.inputs(policy)
     selections = policy.decide(layers, state)
     _check_on_page_grid(layers, selections, state)
     for sel, base in zip(selections, plain):
@@ -195,7 +193,7 @@ def test_page_rounding_keeps_a_superset_on_the_page_grid(case, n, group, fake_re
         steps_since += 1
         if policy.RECOMPRESSES and policy.due(state, request.max_live(), steps_since):
             state.page_quantum = (block_size, request.next_position % block_size)
-            layers = request.layers(window)
+            layers = request.inputs(policy)
             selections = policy.decide(layers, state)
             for kv, sel in zip(layers, selections):
                 check_indices(kv, sel)

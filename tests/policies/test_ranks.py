@@ -36,10 +36,12 @@ def _half(kv: LayerKV, rank: int) -> LayerKV:
     lengths = kv.valid_lengths()[heads]
     width = int(lengths.max())
     cut = kv.num_slots - width
-    queries = None if kv.queries is None else kv.queries[rank * HEADS * GROUP // 2 : (rank + 1) * HEADS * GROUP // 2]
+    query_heads = slice(rank * HEADS * GROUP // 2, (rank + 1) * HEADS * GROUP // 2)
+    queries = None if kv.queries is None else kv.queries[query_heads]
+    out_proj = None if kv.out_proj is None else kv.out_proj[query_heads]  # o_proj is split by query head
     return LayerKV(kv.keys[heads, cut:], kv.values[heads, cut:], layer=kv.layer, num_layers=kv.num_layers,
                    lengths=lengths, positions=kv.positions[heads, cut:], queries=queries,
-                   query_positions=kv.query_positions, scale=kv.scale)
+                   query_positions=kv.query_positions, scale=kv.scale, out_proj=out_proj)
 
 
 def _split_select(policy_factory, layers, states) -> list[list[torch.Tensor]]:
@@ -65,7 +67,6 @@ def test_two_ranks_keep_what_one_rank_keeps(case, fake_request):
     label = case[0]
     request = fake_request(150, HEADS, GROUP, num_layers=2, seed=5)
     one = make_case(case)
-    window = one.queries_needed()
     shared = {"slots": [None, None], "barrier": threading.Barrier(2)}
     ranks = [ThreadRanks(r, shared) for r in (0, 1)]
     split = [make_case(case) for _ in (0, 1)]
@@ -79,7 +80,7 @@ def test_two_ranks_keep_what_one_rank_keeps(case, fake_request):
                 continue
             for state in (whole_state, *states):
                 state.page_quantum = (16, request.next_position % 16)
-        layers = request.layers(window)
+        layers = request.inputs(one)
         whole = one.decide(layers, whole_state)
         expected = [[kv.positions[h, idx].tolist() for h, idx in enumerate(sel.indices)]
                     for kv, sel in zip(layers, whole)]

@@ -11,7 +11,8 @@ from vllm_kvcomp.calibration.profiles import ModelIdentity, RetrievalHeadsProfil
 from vllm_kvcomp.params import SpecError
 from vllm_kvcomp.policies.base import LayerKV, RequestState
 from vllm_kvcomp.policies.compensation import attention_with_lse, compensated_attention
-from vllm_kvcomp.policies.razor import MIN_RECENT, Razor
+from vllm_kvcomp.policies.head_split import MIN_RECENT
+from vllm_kvcomp.policies.razor import Razor
 from vllm_kvcomp.spec import CompressionSpec
 
 

@@ -236,7 +236,8 @@ def specs(draw):
     try:
         return CompressionSpec.from_mapping(mapping)
     except SpecError as err:  # only cross-field rules may reject a per-field valid mapping
-        assert err.field in ("window", "kernel", "budget", "prefill", "lag")  # pod: budget >= sink + window; streaming; lagkv: lag >= 2
+        # pod: budget >= sink + window; streaming; lagkv: lag >= 2; criticalkv: another inner's key
+        assert err.field in ("window", "kernel", "budget", "prefill", "lag", "sink", "observe")
         return CompressionSpec.from_mapping({"policy": name})
 
 

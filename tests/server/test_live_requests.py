@@ -39,6 +39,26 @@ def uncompressed(prompt_tokens: int) -> dict:
 # ---------------------------------------------------------------------------- non-streaming
 
 
+def test_chat_context_scope_counts_the_context_and_keeps_the_question(server):
+    """``scope=context`` on a chat: the server counts the tokens before the last user message (as
+    vLLM's own /tokenize renders them), says so in the applied header, and keeps the question."""
+    import httpx
+
+    messages = [{"role": "user", "content": chat_text(300, seed=21)}, {"role": "assistant", "content": "Read."},
+                {"role": "user", "content": "What was the third word?"}]
+    raw = server.client().chat.completions.with_raw_response.create(
+        model=server.model, messages=messages, max_tokens=4, temperature=0,
+        extra_headers={HEADER: "policy=snapkv; ratio=0.25; scope=context"},
+    )
+    ext = kv_usage(raw.parse().usage)
+    counted = httpx.post(f"{server.url}/tokenize", json={"model": server.model, "messages": messages[:-1],
+                                                          "add_generation_prompt": False}).json()["count"]
+    assert raw.headers[APPLIED] == f"policy=snapkv; ratio=0.25; scope=context; context_tokens={counted}" == ext["applied"]
+    question = ext["prompt_tokens"] - counted
+    assert 0 < question < 40 and ext["compressions"] == 1
+    assert question / ext["prompt_tokens"] < ext["kept_fraction"] < 0.25 + (question + 32) / ext["prompt_tokens"]
+
+
 @pytest.mark.parametrize("ratio", [0.25, 0.5])
 def test_chat_header_reports_what_the_engine_did(server, ratio):
     raw = server.client().chat.completions.with_raw_response.create(

@@ -346,7 +346,7 @@ def test_a_short_soak_through_the_server_holds(tmp_path: Path):
     assert not any(r.server_error for r in run.results)
     assert outcomes["ok"] > 100 and outcomes["aborted"] > 5
     assert {r.draw.label for r in run.results if r.outcome == "ok"} == set(run.labels)
-    assert set(run.labels) >= {"none", "full", *(p for p in POLICY_NAMES if p not in ("razor", "pod"))}
+    assert set(run.labels) >= {"none", "full", *(p for p in POLICY_NAMES if p not in ("razor", "pod", "duoattention"))}
     assert len(run.idles) >= 3 and all(p.clean for p in run.idles), run.idles
     assert not soak.restarted(run) and run.leftover == []
     assert soak.preemptions(run) > 0

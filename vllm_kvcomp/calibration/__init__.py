@@ -1,9 +1,11 @@
-"""Offline per-model calibration: RazorAttention retrieval heads, POD layer groups, JSON profiles.
+"""Offline per-model calibration: RazorAttention retrieval heads, POD layer groups, DuoAttention
+head gates, JSON profiles.
 
 Importing this package is cheap; the transformers-based probing lives in :mod:`.probe`.
 """
 
 from vllm_kvcomp.calibration.profiles import (
+    HeadGatesProfile,
     LayerGroupsProfile,
     ModelIdentity,
     Profile,
@@ -17,6 +19,7 @@ from vllm_kvcomp.calibration.profiles import (
 )
 
 __all__ = [
+    "HeadGatesProfile",
     "LayerGroupsProfile",
     "ModelIdentity",
     "Profile",

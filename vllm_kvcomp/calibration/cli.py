@@ -1,4 +1,5 @@
-"""``vllm-kvcomp calibrate``: measure RazorAttention retrieval heads and/or POD layer groups.
+"""``vllm-kvcomp calibrate``: measure RazorAttention retrieval heads, POD layer groups and/or
+train DuoAttention head gates.
 
 Runs the model with Hugging Face transformers on CPU in float32 and writes
 ``<model>/kvcomp_profiles/<kind>[.<name>].json`` (or into ``--out``).
@@ -10,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from vllm_kvcomp.calibration import layer_groups, retrieval_heads
+from vllm_kvcomp.calibration import duo_attention, layer_groups, retrieval_heads
 from vllm_kvcomp.calibration.profiles import (
     DEFAULT_NAME,
     PROFILE_DIRNAME,
@@ -26,7 +27,8 @@ from vllm_kvcomp.calibration.profiles import (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     rh, lg = retrieval_heads.DEFAULTS, layer_groups.DEFAULTS
     parser.add_argument("--model", default=None, help="HF model folder (default: the bundled SmolLM2)")
-    parser.add_argument("--kind", choices=("razor", "pod", "all"), default="all", help="which profile(s)")
+    parser.add_argument("--kind", choices=("razor", "pod", "duoattention", "all"), default="all",
+                        help="which profile(s); all: every kind (duoattention trains for tens of minutes)")
     parser.add_argument("--name", default=DEFAULT_NAME, help="profile name (default: %(default)s)")
     parser.add_argument("--out", default=None, help=f"output folder (default: <model>/{PROFILE_DIRNAME})")
     parser.add_argument("--store", action="store_true",
@@ -47,6 +49,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pod.add_argument("--pod-words", type=int, default=lg["words"], help="words per text sample (default: %(default)s)")
     pod.add_argument("--pod-last", type=int, default=lg["last"], help="last queries compared (default: %(default)s)")
     pod.add_argument("--delta", type=float, default=lg["delta"], help="grouping threshold (default: %(default)s)")
+    duo = parser.add_argument_group("duoattention (trained gates)")
+    for key, kind, what in (
+        ("steps", int, "optimisation steps, one sample each"), ("lr", float, "AdamW learning rate"),
+        ("reg", float, "weight of the L1 penalty on the gates"),
+        ("min-length", int, "shortest haystack (tokens)"), ("max-length", int, "longest haystack (tokens)"),
+        ("sink", int, "streaming attention's sink tokens"), ("recent", int, "streaming attention's recent tokens"),
+        ("passkeys", int, "passkeys per sample"), ("passkey-words", int, "words per passkey"),
+        ("threshold", float, "gate at or above which a head is a retrieval head"),
+    ):
+        default = duo_attention.DEFAULTS[key.replace("-", "_")]
+        duo.add_argument(f"--duo-{key}", type=kind, default=default, help=f"{what} (default: {default})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     model = load_hf_model(str(model_dir), threads=args.threads)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     progress = not args.quiet
-    kinds = ("razor", "pod") if args.kind == "all" else (args.kind,)
+    kinds = ("razor", "pod", "duoattention") if args.kind == "all" else (args.kind,)
     summary: dict[str, object] = {"model": str(model_dir)}
     with hf_provider(model) as provider:
         if "razor" in kinds:
@@ -92,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
             )
             path = _save(groups, model_dir, args.out)
             summary["pod"] = {"path": str(path), "groups": [list(g) for g in groups.groups]}
+    if "duoattention" in kinds:
+        summary["duoattention"] = _duoattention(args, model, tokenizer, identity, model_dir)
     print(json.dumps(summary, indent=1))
     return 0
 
@@ -102,8 +117,25 @@ def _default_model(progress: bool) -> Path:
     return fetch_default_model(progress=progress)
 
 
-def _save(profile: retrieval_heads.RetrievalHeadsProfile | layer_groups.LayerGroupsProfile,
-          model_dir: Path, out: str | None) -> Path:
+def _duoattention(args: argparse.Namespace, model: object, tokenizer: object, identity: ModelIdentity,
+                  model_dir: Path) -> dict[str, object]:
+    """Train, save and summarise the DuoAttention gates."""
+    from vllm_kvcomp.policies.duoattention import retrieval_heads as duo_retrieval_heads
+
+    bos = model.config.bos_token_id
+    settings = {key: getattr(args, f"duo_{key}") for key in duo_attention.DEFAULTS if key not in ("intervals", "seed")}
+    profile = duo_attention.calibrate_duo_attention(
+        model, lambda text: tokenizer.encode(text, add_special_tokens=False), identity,
+        prefix=[bos] if bos is not None else [], name=args.name, progress=not args.quiet, seed=args.seed, **settings,
+    )
+    path = _save(profile, model_dir, args.out)
+    heads = duo_retrieval_heads(profile.gates, threshold=profile.threshold)
+    return {"path": str(path), "retrieval_heads": f"{len(heads)}/{identity.num_layers * identity.num_kv_heads}",
+            "seconds": profile.settings["seconds"], "final_distill": profile.settings["final_distill"]}
+
+
+def _save(profile: retrieval_heads.RetrievalHeadsProfile | layer_groups.LayerGroupsProfile
+          | duo_attention.HeadGatesProfile, model_dir: Path, out: str | None) -> Path:
     if out is None:
         return save_profile(profile, model_dir=model_dir)
     return save_profile(profile, path=Path(out) / profile_path(".", profile.kind, profile.name).name)

@@ -7,8 +7,9 @@ are found for any copy of that model), or at an explicit path. Every file record
 of the model it was measured on (architecture numbers + a hash of them) and is validated on
 load, so a profile can never be applied to a model of another shape.
 
-Kinds: ``"razor"`` (:class:`RetrievalHeadsProfile`, RazorAttention retrieval heads) and
-``"pod"`` (:class:`LayerGroupsProfile`, POD layer groups).
+Kinds: ``"razor"`` (:class:`RetrievalHeadsProfile`, RazorAttention retrieval heads),
+``"pod"`` (:class:`LayerGroupsProfile`, POD layer groups) and ``"duoattention"``
+(:class:`HeadGatesProfile`, DuoAttention's trained retrieval/streaming gates).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ PROFILE_DIRNAME = "kvcomp_profiles"
 #: profiles shipped with the package (the bundled model's), one folder per model identity
 STORE = Path(__file__).resolve().parent / "store"
 DEFAULT_NAME = "default"
-KINDS = ("razor", "pod")
+KINDS = ("razor", "pod", "duoattention")
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 # Config keys that fix the attention geometry; dtype, paths and versions are left out on purpose.
 _IDENTITY_KEYS = (
@@ -247,10 +248,46 @@ class LayerGroupsProfile:
         )
 
 
-Profile = RetrievalHeadsProfile | LayerGroupsProfile
-_CLASSES: dict[str, type[RetrievalHeadsProfile] | type[LayerGroupsProfile]] = {
+@dataclass(frozen=True)
+class HeadGatesProfile:
+    """DuoAttention gates of one model (Xiao et al. 2024, §3.2): per (layer, KV head) the trained
+    α ∈ [0, 1] mixing full and streaming attention (``gates`` [L][H_kv], high = retrieval head).
+    ``threshold``: a head is a retrieval head when its gate is at least this (the authors' default
+    0.5), unless a policy asks for a share of streaming heads instead."""
+
+    kind: ClassVar[str] = "duoattention"
+
+    model: ModelIdentity
+    gates: tuple[tuple[float, ...], ...]
+    threshold: float = 0.5
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    name: str = DEFAULT_NAME
+
+    def validate(self) -> None:
+        m = self.model
+        if len(self.gates) != m.num_layers or any(len(r) != m.num_kv_heads for r in self.gates):
+            raise ProfileError(f"gates must be {m.num_layers} rows of {m.num_kv_heads} values (one per KV head)")
+        if any(not 0.0 <= g <= 1.0 for row in self.gates for g in row):
+            raise ProfileError("gates must lie in [0, 1]")
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ProfileError(f"threshold must be in [0, 1], got {self.threshold}")
+
+    def data(self) -> dict[str, Any]:
+        return {"gates": [list(r) for r in self.gates], "threshold": self.threshold}
+
+    @classmethod
+    def from_data(cls, model: ModelIdentity, data: Mapping[str, Any], **common: Any) -> HeadGatesProfile:
+        threshold = data.get("threshold", 0.5)
+        if isinstance(threshold, bool) or not isinstance(threshold, int | float):
+            raise ProfileError(f"data.threshold must be a number, got {threshold!r}")
+        return cls(model=model, gates=_table(data.get("gates"), "gates"), threshold=float(threshold), **common)
+
+
+Profile = RetrievalHeadsProfile | LayerGroupsProfile | HeadGatesProfile
+_CLASSES: dict[str, type[RetrievalHeadsProfile] | type[LayerGroupsProfile] | type[HeadGatesProfile]] = {
     "razor": RetrievalHeadsProfile,
     "pod": LayerGroupsProfile,
+    "duoattention": HeadGatesProfile,
 }
 
 
@@ -402,6 +439,8 @@ def bind_profile(policy: Any, profile: Profile) -> Any:
         raise ProfileError(f"policy {policy.name!r} needs a {wanted!r} profile, got {profile.kind!r}")
     if isinstance(profile, RetrievalHeadsProfile):
         return replace(policy, retrieval_heads=profile.kv_heads)
+    if isinstance(profile, HeadGatesProfile):
+        return replace(policy, gates=profile.gates, threshold=profile.threshold)
     return replace(policy, groups=profile.groups)
 
 

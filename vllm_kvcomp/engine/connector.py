@@ -98,6 +98,16 @@ def attention_variants(layers: dict[str, Any], device: torch.device) -> dict[str
     return variants
 
 
+def output_projections(layers: dict[str, Any]) -> dict[str, torch.Tensor] | str:
+    """Each layer's output-projection weight [hidden, H_q·D] on this rank (its ``o_proj``, read
+    once from the loaded model: policies with ``NEEDS_OUT_PROJ`` read it), or why the model has
+    none (those policies' requests are then served uncompressed, saying why; the others compress)."""
+    try:
+        return {name: vllm_compat.attention_output_weight(layer) for name, layer in layers.items()}
+    except NotImplementedError as err:
+        return str(err)
+
+
 def compressible_group(kv_cache_config) -> tuple[int, list[str]] | None:
     """(index, layer names) of the one KV-cache group we compress: plain full attention. Sliding
     window, MLA, Mamba and other kinds of groups stay vLLM's; a model with no such group or with
@@ -173,7 +183,7 @@ class KVCompConnector(KVConnectorBase_V1, SupportsHMA):
             cache_cls = paged_cache(vllm_compat.platform_kind(), layers, caches,
                                     self._vllm_config.cache_config.block_size)
             variants = attention_variants(layers, next(iter(caches.values())).device)
-            self.worker.register(caches, index, cache_cls, variants, model_layers)
+            self.worker.register(caches, index, cache_cls, variants, model_layers, output_projections(layers))
         except NotImplementedError as err:
             self.worker.disable(str(err))
 

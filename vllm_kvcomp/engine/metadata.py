@@ -69,6 +69,9 @@ class WorkerReport(KVConnectorWorkerMetadata):
     spares_needed: dict[str, int] = field(default_factory=dict)
     #: the worker cannot compress on this engine (backend, attention variant): why
     unavailable: str | None = None
+    #: req_id -> why the worker serves that request uncompressed (a missing profile, a policy
+    #: reading an output projection the model lacks)
+    uncompressed: dict[str, str] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> WorkerReport:
         """One report for all tensor-parallel ranks: a block is free only if every rank freed it;
@@ -92,4 +95,5 @@ class WorkerReport(KVConnectorWorkerMetadata):
         needed = dict(self.spares_needed)
         for rid, n in other.spares_needed.items():
             needed[rid] = max(n, needed.get(rid, n))
-        return WorkerReport(merged, list(events.values()), copied, needed, self.unavailable or other.unavailable)
+        return WorkerReport(merged, list(events.values()), copied, needed, self.unavailable or other.unavailable,
+                            {**other.uncompressed, **self.uncompressed})

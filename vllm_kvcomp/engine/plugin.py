@@ -6,6 +6,8 @@
 - KV connector: registered as ``KVCompConnector``; enabling compression is the one engine
   argument ``kv_transfer_config=kv_transfer_config()``. vLLM's MultiConnector refuses to compose it
   with another connector (:data:`COMPOSED`).
+- Attention owners: which module holds each vLLM ``Attention`` layer, recorded as models are
+  built, so the worker can read each layer's output projection (``criticalkv``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ def register_with_vllm() -> None:
         vllm_compat.register_attention_backend(name, path)
     vllm_compat.allow_max_model_len_beyond_kv_cache(long_prompts_allowed)
     vllm_compat.refuse_composition(CONNECTOR_NAME, COMPOSED)
+    vllm_compat.track_attention_owners(uses_kvcomp)  # before any model is built: the worker reads o_proj
+
+
+def uses_kvcomp(vllm_config: Any) -> bool:
+    """Whether this engine's KV connector is the kvcomp connector."""
+    return getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector", None) == CONNECTOR_NAME
 
 
 def long_prompts_allowed(vllm_config: Any) -> bool:

@@ -161,7 +161,7 @@ class KVCompScheduler:
             policy = self._policy(request.request_id, spec)
             self.cow[request.request_id] = CopyOnCompress(
                 window=policy.queries_needed(),
-                kept_bound=policy.mean_kept_bound(request.num_prompt_tokens, self.num_heads))
+                kept_bound=policy.held_bound(request.num_prompt_tokens, self.num_heads))
             return
         # Compaction rewrites this request's blocks in place (after every prefill=stream chunk, or
         # when copy-on-compress is off): keep them out of everyone's prefix cache (unique salt
@@ -298,6 +298,8 @@ class KVCompScheduler:
             return
         if report.unavailable is not None and self.unavailable is None:
             self.disable(report.unavailable)
+        for rid, reason in report.uncompressed.items():
+            self._serve_uncompressed(rid, reason)
         for rid, needed in report.spares_needed.items():
             if rid in self.cow:
                 self.cow[rid].needed = needed
@@ -318,6 +320,15 @@ class KVCompScheduler:
             if stats is not None:
                 stats.record(event)
             self.events.append(event)
+
+    def _serve_uncompressed(self, rid: str, reason: str) -> None:
+        """The worker serves ``rid`` uncompressed: its result says why, its spares go back."""
+        stats = self.requests.get(rid)
+        if stats is not None and stats.unavailable is None:
+            stats.unavailable = reason
+        cow = self.cow.pop(rid, None)
+        if cow is not None:
+            cow.release(self.kv_cache_manager)
 
     def _place_spares(self, rid: str, columns: dict[int, int], freeable: int) -> None:
         """The first compaction packed into spares for ``columns``: they replace the request's

@@ -14,15 +14,22 @@ from vllm_kvcomp.spec import CompressionSpec
 
 @dataclass
 class QueryWindow:
-    """Rolling buffer of the last ``size`` queries of one layer: [w, H_q, D] + positions [w]."""
+    """Rolling buffer of the last ``size`` queries of one layer: [w, H_q, D] + positions [w];
+    with ``limit`` only those of positions before it (``scope=context``: the context's own)."""
 
     size: int
+    limit: int | None = None
     queries: torch.Tensor | None = None
     positions: torch.Tensor | None = None
 
     def push(self, queries: torch.Tensor, positions: torch.Tensor) -> None:
         if self.size <= 0:
             return
+        if self.limit is not None:
+            if int(positions[0]) >= self.limit:
+                return
+            before = positions < self.limit
+            queries, positions = queries[before], positions[before]
         if self.queries is not None:
             queries = torch.cat([self.queries, queries])
             positions = torch.cat([self.positions, positions])

@@ -31,12 +31,14 @@ from vllm_kvcomp.engine.metadata import (
 )
 from vllm_kvcomp.engine.pages import RequestPages
 from vllm_kvcomp.engine.state import CompressedRequest, QueryWindow
-from vllm_kvcomp.policies.base import ONE_RANK, LayerKV, Ranks, RequestState
+from vllm_kvcomp.params import SpecError
+from vllm_kvcomp.policies.base import ONE_RANK, LayerKV, Ranks, RequestState, out_proj_heads
 from vllm_kvcomp.spec import CompressionSpec
 
 logger = logging.getLogger(__name__)
 
 PolicyBuilder = Callable[[CompressionSpec], object]
+NO_OUT_PROJ = "the engine read no output projection (o_proj)"
 
 
 @dataclass
@@ -81,6 +83,8 @@ class KVCompWorker:
         self._report = WorkerReport()
         self.variants: list[AttentionVariant] = []  # per compressed layer, as vLLM's kernel attends it
         self.unavailable: str | None = None  # this engine cannot compress (told to the scheduler)
+        self.out_proj: list[torch.Tensor] = []  # per compressed layer: W_o per query head [H_q, D, hidden]
+        self.no_out_proj: str | None = NO_OUT_PROJ  # why there is none: policies that read it are refused
 
     # ------------------------------------------------------------------ setup
     def register(
@@ -90,18 +94,25 @@ class KVCompWorker:
         cache_cls: Callable[[list[torch.Tensor]], PagedCache],
         variants: dict[str, AttentionVariant],
         num_model_layers: int | None = None,
+        out_proj: dict[str, torch.Tensor] | str | None = None,
     ) -> None:
         """Page the compressed layers' caches with ``cache_cls`` (the platform's :class:`PagedCache`).
 
         ``layer_index`` gives each cache's model layer (policies and calibration profiles count
         layers of the model, of which a hybrid model compresses only some); ``variants`` how each
-        layer attends (scale, soft-capping, sinks), read once from its vLLM attention impl."""
+        layer attends (scale, soft-capping, sinks), read once from its vLLM attention impl;
+        ``out_proj`` each layer's output-projection weight [hidden, H_q·D] (this rank's heads), read
+        once from the loaded model, or why there is none (policies that read it are then refused)."""
         order = sorted(kv_caches, key=lambda n: layer_index[n])
         self.layer_index = {name: i for i, name in enumerate(order)}
         self.model_layers = [layer_index[name] for name in order]
         self.num_model_layers = num_model_layers or max(self.model_layers) + 1
         self.cache = cache_cls([kv_caches[name] for name in order])
         self.variants = [variants[name] for name in order]
+        if isinstance(out_proj, dict):  # views of the model's weights, no copy
+            self.out_proj, self.no_out_proj = [out_proj_heads(out_proj[n], self.cache.head_dim) for n in order], None
+        else:
+            self.out_proj, self.no_out_proj = [], out_proj or NO_OUT_PROJ
         self._report = WorkerReport(unavailable=self.unavailable)
 
     @property
@@ -149,17 +160,22 @@ class KVCompWorker:
         try:
             spec = CompressionSpec.from_mapping(r.spec)
             policy = self.build_policy(spec)
+            if policy.NEEDS_OUT_PROJ and self.no_out_proj is not None:
+                raise SpecError("policy", f"{spec.policy} reads each layer's output projection, which this engine "
+                                f"cannot: {self.no_out_proj}")
         except ValueError as err:  # SpecError and ProfileError are ValueErrors
             logger.error("request %s served without compression: %s", r.req_id, err)
+            self._report.uncompressed[r.req_id] = str(err)
             spec = CompressionSpec()
             policy = spec.build_policy()
-        w = policy.queries_needed()
+        w, context = policy.queries_needed(), policy.context_end(r.prompt_len)
+        limit = context if policy.scope == "context" else None
         return CompressedRequest(
             spec=spec,
             policy=policy,
             pages=RequestPages(self.cache.geometry),
-            policy_state=RequestState(prompt_len=r.prompt_len, ranks=self.ranks),
-            windows=[QueryWindow(w) for _ in range(self.num_layers)],
+            policy_state=RequestState(prompt_len=context, ranks=self.ranks),
+            windows=[QueryWindow(w, limit) for _ in range(self.num_layers)],
             compensation=[None] * self.num_layers,
         )
 
@@ -272,7 +288,7 @@ class KVCompWorker:
                         self._compress(rid, state, sched, end, decode=False)
                 continue
             life.decoded()
-            if policy.RECOMPRESSES and policy.due(state.policy_state, live, life.steps_since):
+            if policy.recompresses and policy.due(state.policy_state, live, life.steps_since):
                 self._compress(rid, state, sched, end, decode=True)
 
     def _layer_inputs(self, state: CompressedRequest, block_ids: torch.Tensor, end: int) -> list[LayerKV]:
@@ -303,6 +319,7 @@ class KVCompWorker:
                 layer=self.model_layers[layer], num_layers=self.num_model_layers, lengths=lengths[layer],
                 positions=positions, queries=queries,
                 query_positions=window.positions, scale=self.variants[layer].scale,
+                out_proj=self.out_proj[layer] if state.policy.NEEDS_OUT_PROJ else None,
             ))
         return inputs
 
@@ -374,7 +391,7 @@ class KVCompWorker:
     def take_report(self) -> WorkerReport | None:
         report, self._report = self._report, WorkerReport(unavailable=self.unavailable)
         if not (report.freeable_blocks or report.events or report.copied or report.spares_needed
-                or report.unavailable):
+                or report.unavailable or report.uncompressed):
             return None
         return report
 

@@ -46,13 +46,17 @@ def span(param: Any) -> str:
         return f"≥ {low}"
     return f"{low}–{high}"
 
+#: spec keys every policy accepts alike, left out of the rows
+SHARED = ("scope", "context_tokens")
+
 
 def parameters(name: str) -> str:
-    """``key=default (range)`` for every key a spec may set, ``prefill`` last, ``;``-separated."""
+    """``key=default (range)`` for every key a spec may set, ``prefill`` last, ``;``-separated;
+    ``scope`` and ``context_tokens`` (every policy's, the same) are described above the table."""
     cls = get_policy_class(name)
     defaults = {f.name: f.default for f in fields(cls) if f.default is not MISSING}
     accepted = cls.accepted_params()
-    keys = [k for k in accepted if k != "prefill"] + [k for k in accepted if k == "prefill"]
+    keys = [k for k in accepted if k not in ("prefill", *SHARED)] + [k for k in accepted if k == "prefill"]
     parts = [f"`{k}`={cls.IMPLICIT_DEFAULTS.get(k) or _text(defaults.get(k))} ({span(accepted[k])})"
              for k in keys]
     return "; ".join(parts) or "–"

@@ -17,7 +17,7 @@ group** (query head q belongs to KV head ``q // (H_q // H_kv)``), see :func:`red
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar, TypeVar
 
 import torch
@@ -38,6 +38,10 @@ class LayerKV:
     queries: torch.Tensor | None = None  # [H_q, w, D]
     query_positions: torch.Tensor | None = None  # [w] int64; None = the last w of arange(N)
     scale: float | None = None  # softmax scale; None = D ** -0.5
+    #: [H_q, D, hidden] the layer's output projection W_o per query head (q's slice
+    #: W_o[:, q*D:(q+1)*D] transposed; this rank's heads under tensor parallelism), given only
+    #: to a policy with ``NEEDS_OUT_PROJ`` (see :func:`out_proj_heads`)
+    out_proj: torch.Tensor | None = None
 
     @property
     def num_kv_heads(self) -> int:
@@ -76,6 +80,25 @@ class LayerKV:
         w = 0 if self.queries is None else self.queries.shape[1]
         last = int(self.slot_positions().max()) + 1
         return torch.arange(last - w, last)
+
+    def context(self, tokens: int) -> LayerKV:
+        """This layer as if the prompt were its first ``tokens`` tokens (``scope=context``): slots
+        ``[0, tokens)`` and the window queries before position ``tokens``. Only the natural layout
+        (every head holds every token, slot = position: a request's first compression)."""
+        positions = self.slot_positions()
+        if bool((self.valid_lengths() != self.num_slots).any()) or not torch.equal(
+                positions, torch.arange(self.num_slots).expand_as(positions)):
+            raise ValueError("scope=context compresses a cache that holds every token in order (its first compression)")
+        tokens = min(tokens, self.num_slots)
+        queries, query_positions = self.queries, self.query_positions
+        if queries is not None:
+            before = self.window_query_positions() < tokens
+            queries, query_positions = queries[:, before], self.window_query_positions()[before]
+        return replace(
+            self, keys=self.keys[:, :tokens], values=self.values[:, :tokens],
+            lengths=torch.full((self.num_kv_heads,), tokens, dtype=torch.long), positions=positions[:, :tokens],
+            queries=queries, query_positions=query_positions,
+        )
 
 
 @dataclass
@@ -302,6 +325,19 @@ PREFILL_PARAM = Param(
     help="compress the prompt once at its end, or after every prefill chunk (bounded memory; "
     "streamingllm, knorm, lagkv, razor)",
 )
+SCOPE_PARAM = Param(
+    "scope", str, "all", choices=("all", "context"),
+    help="all: the whole prompt is compressed (and, for policies that recompress, the generated tokens); "
+    "context: only the prompt's context (its first context_tokens tokens), once at the prompt's end and scored "
+    "with the context's own queries; the question after it and the generated tokens are kept",
+)
+CONTEXT_PARAM = Param(
+    "context_tokens", int, None, 1, 1 << 24,
+    help="scope=context: how many leading prompt tokens are the context (chat routes: the server counts "
+    "everything before the last user message; default: the whole prompt)",
+)
+#: spec settings every policy accepts, besides its own
+BASE_PARAMS: dict[str, Param] = {p.name: p for p in (PREFILL_PARAM, SCOPE_PARAM, CONTEXT_PARAM)}
 
 
 @dataclass
@@ -335,8 +371,13 @@ class Policy:
     #: its end keeps, from the cache it is given (``prefill=stream`` is then allowed): the policy
     #: needs no queries of the final prompt and its budget depends on the prompt length only.
     STREAMS: ClassVar[bool] = False
+    #: True if the policy reads each layer's output projection (``LayerKV.out_proj``); the engine
+    #: and the oracle fill it only then, and serve the policy uncompressed on a model without one.
+    NEEDS_OUT_PROJ: ClassVar[bool] = False
 
     prefill: str = field(default="end", kw_only=True)
+    scope: str = field(default="all", kw_only=True)
+    context_tokens: int | None = field(default=None, kw_only=True)
 
     @classmethod
     def accepted_params(cls) -> dict[str, Param]:
@@ -345,8 +386,8 @@ class Policy:
         for f in fields(cls):
             if f.name in COMMON_PARAMS:
                 out[f.name] = COMMON_PARAMS[f.name]
-            elif f.name == PREFILL_PARAM.name:
-                out[f.name] = PREFILL_PARAM
+            elif f.name in BASE_PARAMS:
+                out[f.name] = BASE_PARAMS[f.name]
             elif f.name in cls.PARAMS:
                 out[f.name] = cls.PARAMS[f.name]
         return out
@@ -371,12 +412,30 @@ class Policy:
                 "prefill", f"policy {cls.name!r} cannot compress during prefill: it scores tokens with the final "
                 "prompt's queries, which an earlier chunk does not have", ", ".join(streaming_policy_names()),
             )
+        if policy.scope == "context" and policy.prefill == "stream":
+            raise SpecError("prefill", "scope=context compresses the context once, at the prompt's end", "end")
+        if policy.context_tokens is not None and policy.scope != "context":
+            raise SpecError("context_tokens", "says where the context ends, which only scope=context reads",
+                            "scope=context with context_tokens, or neither")
         return policy
 
     def check(self) -> None:
         """Cross-field validation; raise SpecError naming the field."""
 
     # -- what the engine asks
+    def context_end(self, prompt_len: int) -> int:
+        """Leading tokens of a ``prompt_len`` prompt that are compressed: all of them, or with
+        ``scope=context`` the first ``context_tokens`` (the whole prompt when not given)."""
+        if self.scope != "context" or self.context_tokens is None:
+            return prompt_len
+        return min(prompt_len, int(self.context_tokens))
+
+    @property
+    def recompresses(self) -> bool:
+        """Whether the engine asks :meth:`due` during decode: ``RECOMPRESSES`` and ``scope=all``
+        (``scope=context`` compresses the context once and keeps every token after it)."""
+        return self.RECOMPRESSES and self.scope == "all"
+
     def queries_needed(self) -> int:
         """How many trailing queries per layer the policy reads (0 = attention-free)."""
         return 0
@@ -388,6 +447,13 @@ class Policy:
         compaction up front, so every compressing policy gives one; None (the engine then plans
         for the whole prompt) only where it truly cannot be told."""
         return None
+
+    def held_bound(self, prompt_len: int, num_heads: int | None = None) -> int | None:
+        """:meth:`mean_kept_bound` of the compressed part of the prompt plus the tokens after it
+        (``scope=context``: the question is kept), what the prompt-end compaction holds."""
+        context = self.context_end(prompt_len)
+        bound = self.mean_kept_bound(context, num_heads)
+        return None if bound is None else bound + prompt_len - context
 
     def kept_for(self, n_tokens: int) -> int:
         """Per-head kept count for ``n_tokens`` live tokens (ratio or budget of this policy)."""
@@ -425,10 +491,32 @@ class Policy:
         """What every layer keeps: :meth:`select`'s picks rounded up to the engine's page grid
         (``state.page_quantum``, :func:`round_to_pages`), then :meth:`commit_kept`. What the
         engine and the oracle call; policies implement :meth:`select` and never round."""
+        if self.scope == "context":
+            return self._decide_context(layers, state)
+        return self._decide_all(layers, state)
+
+    def _decide_all(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
         picks = self.select(layers, state)
         kept = [round_to_pages(pick, kv, state.page_quantum) for kv, pick in zip(layers, picks)]
         self.commit_kept(layers, state, picks, kept)
         return kept
+
+    def _decide_context(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
+        """``scope=context``: decide over each layer's first C = ``state.prompt_len`` slots (the
+        context, seen with its own queries only: :meth:`LayerKV.context`) and keep every slot
+        after them; the page grid applies to the whole head, the tail included."""
+        views = [kv.context(state.prompt_len) for kv in layers]
+        quantum = state.page_quantum
+        if quantum is not None and layers:
+            tail = layers[0].num_slots - views[0].num_slots
+            state.page_quantum = (quantum[0], (quantum[1] - tail) % quantum[0])
+        try:
+            kept = self._decide_all(views, state)
+        finally:
+            state.page_quantum = quantum
+        return [Selection([torch.cat([idx.to(torch.long), torch.arange(view.num_slots, kv.num_slots)])
+                           for idx in sel.indices], sel.compensation)
+                for sel, view, kv in zip(kept, views, layers)]
 
     def select(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
         """One pick per layer (not rounded to pages). Default: :meth:`select_layer` on each layer."""
@@ -579,6 +667,15 @@ def keep_pinned(kv: LayerKV, pinned: torch.Tensor, sink: int, keep: int) -> tupl
     return protected_topk(priority, keep, kv.valid_lengths(), sink, 0), priority
 
 
+def out_proj_heads(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """An output projection's weight [hidden, H_q·D] (``o_proj.weight``: input features grouped by
+    query head) as the [H_q, D, hidden] view :attr:`LayerKV.out_proj` holds (no copy)."""
+    hidden, features = weight.shape
+    if features % head_dim:
+        raise ValueError(f"an output projection with {features} input features is not split into heads of {head_dim}")
+    return weight.t().reshape(features // head_dim, head_dim, hidden)
+
+
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -594,6 +691,7 @@ __all__ = [
     "SlotMemory",
     "ceil_div",
     "keep_pinned",
+    "out_proj_heads",
     "page_count",
     "protected_topk",
     "reduce_gqa",

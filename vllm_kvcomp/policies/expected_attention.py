@@ -38,8 +38,9 @@ from vllm_kvcomp.policies.base import LayerKV, RequestState, ScorePolicy, visibl
 from vllm_kvcomp.policies.wrappers import HEADS_PARAMS, HeadsChoice
 
 
-def expected_attention_scores(kv: LayerKV, sink: int, epsilon: float) -> torch.Tensor:
-    """[H_kv, N] ``(group-mean expected attention + epsilon) · ||v||₂``; +inf on each head's first
+def expected_attention_scores(kv: LayerKV, sink: int, epsilon: float, value_norm: bool = True) -> torch.Tensor:
+    """[H_kv, N] ``(group-mean expected attention + epsilon) · ||v||₂`` (without the factor
+    ``||v||₂`` if not ``value_norm``: kvpress ``use_vnorm=False``); +inf on each head's first
     ``sink`` live slots, 0 on invalid ones. Statistics of ``kv.queries`` [H_q, w, D], computed in
     float32 (float64 for float64 keys)."""
     if kv.queries is None:
@@ -60,7 +61,8 @@ def expected_attention_scores(kv: LayerKV, sink: int, epsilon: float) -> torch.T
     sinks = (slots >= start) & (slots < start + sink)  # [H_kv, N]
     scored = (slots >= start + sink).to(logits.device)
     probs = visible_softmax(logits.masked_fill(~scored.unsqueeze(1), float("-inf"))).mean(dim=1)
-    scores = (probs + epsilon) * kv.values.to(acc).norm(dim=-1) * scored
+    norms = kv.values.to(acc).norm(dim=-1) if value_norm else 1.0
+    scores = (probs + epsilon) * norms * scored
     return scores.cpu().masked_fill(sinks, float("inf"))
 
 

@@ -32,6 +32,8 @@ POLICIES: dict[str, str] = {
     "tova": "tova:TOVA",
     "pyramidkv": "pyramidkv:PyramidKV",
     "expected_attention": "expected_attention:ExpectedAttention",
+    "criticalkv": "criticalkv:CriticalKV",
+    "duoattention": "duoattention:DuoAttention",
 }
 #: the names when this module was imported (for import-time uses: type literals, schemas, test
 #: parameters); :func:`policy_names` reads :data:`POLICIES` when called

@@ -23,6 +23,7 @@ from typing import Any
 
 from vllm_kvcomp.engine.support import unavailable_reason
 from vllm_kvcomp.server import protocol
+from vllm_kvcomp.server.context import ContextCounter
 from vllm_kvcomp.server.operator_config import OperatorConfig
 from vllm_kvcomp.server.results import ResultTap
 from vllm_kvcomp.spec import CompressionSpec
@@ -45,6 +46,7 @@ class KVCompressionMiddleware:
         self._config = config
         self._tap: ResultTap | None = None
         self._unavailable: str | None = None  # this engine cannot compress (from its config)
+        self._count_context: ContextCounter | None = None  # scope=context on chat routes
         self._ready = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -72,7 +74,7 @@ class KVCompressionMiddleware:
             elif raw.strip():  # an empty body is vLLM's to refuse
                 body = protocol.parse_json(raw)
                 if isinstance(body, dict):  # another JSON value is vLLM's to refuse
-                    spec = protocol.resolve(self._config, headers, body)
+                    spec = protocol.resolve(self._config, headers, body, scope["path"], self._count_context)
                     raw = _dump(protocol.rewrite_body(body, spec, route.target))
         except protocol.RequestError as err:
             await _send_json(send, 400, err.to_json())
@@ -95,10 +97,13 @@ class KVCompressionMiddleware:
         if self._ready:
             return
         state = getattr(scope.get("app"), "state", None)
+        args = getattr(state, "args", None)
         if self._config is None:
-            args = getattr(state, "args", None)
             self._config = OperatorConfig.for_server(getattr(args, "kv_compression_config", None),
                                                      getattr(args, "model", None))
+        source = getattr(args, "tokenizer", None) or getattr(args, "model", None)
+        if source:
+            self._count_context = ContextCounter(str(source), getattr(args, "chat_template", None))
         client = getattr(state, "engine_client", None)
         if client is not None:
             self._tap = ResultTap.install(client)

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_kvcomp.params import SpecError, show
+from vllm_kvcomp.policies.head_split import HeadSplit
 from vllm_kvcomp.policies.registry import get_policy_class
 from vllm_kvcomp.server.operator_config import OperatorConfig
 from vllm_kvcomp.spec import XARGS_PREFIX, CompressionSpec, same_value, setting_items
@@ -241,47 +242,78 @@ def requested(headers: Sequence[str], body: Mapping[str, Any]) -> Requested | No
     return found[0] if found else None
 
 
-def resolve(config: OperatorConfig, headers: Sequence[str], body: Mapping[str, Any]) -> CompressionSpec:
-    """The spec to run: the request's, or the operator default, as the operator config permits."""
+#: routes whose ``messages`` say where a ``scope=context`` request's context ends (the last user
+#: message and the generation prompt are the question)
+CONTEXT_ROUTES = (CHAT_ROUTE, "/v1/chat/completions/render")
+#: counts the prompt tokens before a chat body's last user message (:mod:`.context`)
+ContextCounter = Callable[[Mapping[str, Any]], int]
+
+
+def resolve(config: OperatorConfig, headers: Sequence[str], body: Mapping[str, Any], path: str = CHAT_ROUTE,
+            count_context: ContextCounter | None = None) -> CompressionSpec:
+    """The spec to run: the request's, or the operator default, as the operator config permits;
+    ``scope=context`` without ``context_tokens`` gets them from ``count_context`` on a chat route."""
     asked = requested(headers, body)
-    if asked is None:
-        return config.resolve(None)
+    source = HEADER if asked is None else asked.source
     try:
-        spec = config.resolve(asked.spec)
-        check_fit(config, spec)
-        return spec
+        if asked is None:
+            spec = config.resolve(None)
+        else:
+            spec = config.resolve(asked.spec)
+            check_fit(config, spec)
+        return fill_context(spec, path, body, count_context)
     except SpecError as err:
-        if asked.source in (XARGS_FIELD, NESTED_FIELD):
+        if source in (XARGS_FIELD, NESTED_FIELD):
             err = SpecError(XARGS_PREFIX + err.field, err.message, err.allowed)
-        raise RequestError.from_spec_error(err, asked.source) from None
+        raise RequestError.from_spec_error(err, source) from None
+
+
+def fill_context(spec: CompressionSpec, path: str, body: Mapping[str, Any],
+                 count_context: ContextCounter | None) -> CompressionSpec:
+    """``spec`` with ``context_tokens`` set where ``scope=context`` leaves it to the server: the
+    tokens before the last user message of a chat route's ``messages``; SpecError elsewhere."""
+    if spec.extras.get("scope") != "context" or spec.extras.get("context_tokens") is not None:
+        return spec
+    allowed = "an integer in [1, 16777216]: the prompt's leading tokens that are the context (POST /tokenize counts them)"
+    if path not in CONTEXT_ROUTES or not isinstance(body.get("messages"), list) or count_context is None:
+        raise SpecError("context_tokens", f"scope=context on {path} needs it: only a chat's messages tell the server "
+                        "where the context ends", allowed)
+    tokens = count_context(body)
+    if tokens < 1:
+        raise SpecError("scope", "context: this chat has no context before its last user message (the question); "
+                        "send the context in earlier messages", "all, or context with the context in earlier messages")
+    return CompressionSpec.from_mapping({**spec.to_dict(), "context_tokens": tokens})
 
 
 def check_fit(config: OperatorConfig, spec: CompressionSpec) -> None:
-    """SpecError unless the served razor profile leaves room for the spec's ``ratio``: its
-    retrieval heads keep every token (:meth:`Razor.check_fit`). The prompt's length is not known
-    here: what only a short prompt makes infeasible is served at the floor by the engine."""
-    ref = config.profiles.get("razor")
-    if config.model is None or ref is None or get_policy_class(spec.policy).PROFILE != "razor":
+    """SpecError unless the served profile leaves room for the spec's ``ratio`` where the policy's
+    retrieval heads keep every token (``razor``, ``duoattention``: :meth:`HeadSplit.check_fit`).
+    The prompt's length is not known here: what only a short prompt makes infeasible is served at
+    the floor by the engine."""
+    cls = get_policy_class(spec.policy)
+    ref = config.profiles.get(cls.PROFILE) if issubclass(cls, HeadSplit) else None
+    if config.model is None or ref is None:
         return
-    heads = _razor_heads(config.model, ref)
-    if heads is not None:
-        spec.build_policy().check_fit(*heads)
+    profile = _served_profile(cls.PROFILE, config.model, ref)
+    if profile is not None:
+        from vllm_kvcomp.calibration.profiles import bind_profile
+
+        policy = bind_profile(spec.build_policy(), profile)
+        policy.check_fit(len(policy.retrieval_set()), profile.model.num_layers * profile.model.num_kv_heads)
 
 
 @functools.lru_cache(maxsize=8)
-def _razor_heads(model: str, ref: str) -> tuple[int, int] | None:
-    """(retrieval heads, all (layer, KV head) pairs) of the razor profile ``ref`` of ``model``
-    (None if it cannot be read: the engine says so)."""
+def _served_profile(kind: str, model: str, ref: str) -> Any:
+    """The ``kind`` profile ``ref`` (a name or a JSON path) of ``model``, or None if it cannot be
+    read (the engine says so)."""
     from vllm_kvcomp.calibration.profiles import load_profile
 
     try:
         if ref.endswith(".json") or "/" in ref:
-            profile = load_profile("razor", path=ref)
-        else:
-            profile = load_profile("razor", model_dir=model, name=ref)
+            return load_profile(kind, path=ref)
+        return load_profile(kind, model_dir=model, name=ref)
     except ValueError:
         return None
-    return len(profile.kv_heads), profile.model.num_layers * profile.model.num_kv_heads
 
 
 def rewrite_body(body: dict[str, Any], spec: CompressionSpec, target: str = XARGS_FIELD) -> dict[str, Any]:

@@ -1,0 +1,238 @@
+"""CriticalKV: the two-stage score against a plain float64 implementation, stage-1 picks kept
+whatever their value, the output-aware second stage, CriticalAdaKV's allocation, parameter
+validation, and the output projection the oracle hands a policy that asks for it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.policies.conftest import make_policy
+from vllm_kvcomp.params import SpecError
+from vllm_kvcomp.policies import criticalkv
+from vllm_kvcomp.policies.base import LayerKV, RequestState, out_proj_heads, protected_topk
+from vllm_kvcomp.policies.criticalkv import (
+    CriticalKV,
+    ExpectedAttentionNoNorm,
+    projected_value_norms,
+)
+from vllm_kvcomp.policies.expected_attention import ExpectedAttention
+from vllm_kvcomp.policies.snapkv import SnapKV
+from vllm_kvcomp.policies.wrappers import adaptive_topk
+from vllm_kvcomp.spec import CompressionSpec
+
+HEADS, GROUP, N, D, HIDDEN, W = 2, 3, 16, 4, 5, 4
+
+
+def _layer(seed: int, lengths: tuple[int, ...] = (N, N)) -> LayerKV:
+    gen = torch.Generator().manual_seed(seed)
+    return LayerKV(torch.randn(HEADS, N, D, generator=gen, dtype=torch.float64),
+                   torch.randn(HEADS, N, D, generator=gen, dtype=torch.float64),
+                   lengths=torch.tensor(lengths), scale=0.6,
+                   queries=torch.randn(HEADS * GROUP, W, D, generator=gen, dtype=torch.float64) * 2,
+                   out_proj=torch.randn(HEADS * GROUP, D, HIDDEN, generator=gen, dtype=torch.float64))
+
+
+def _plain_norms(kv: LayerKV) -> list[list[float]]:
+    """Per KV head and slot: mean over the query group of sum_j |sum_d v_d · W_o^q[d, j]|."""
+    out = []
+    for h in range(HEADS):
+        row = []
+        for i in range(N):
+            total = 0.0
+            for q in range(h * GROUP, (h + 1) * GROUP):
+                total += sum(abs(sum(float(kv.values[h, i, d]) * float(kv.out_proj[q, d, j]) for d in range(D)))
+                             for j in range(HIDDEN))
+            row.append(total / GROUP)
+        out.append(row)
+    return out
+
+
+def _plain_snapkv_mean(kv: LayerKV) -> list[list[float]]:
+    """SnapKV with kernel 1 on kvpress's scale: per prefix slot the softmax attention of the W
+    window queries (causal: a query sees the slots up to its own), averaged over the window and
+    the group; the window's own slots score the prefix maximum."""
+    out = []
+    for h in range(HEADS):
+        length = int(kv.lengths[h])
+        start = N - length
+        votes = [0.0] * N
+        for q in range(h * GROUP, (h + 1) * GROUP):
+            for t in range(W):
+                seen = range(start, N - W + t + 1)
+                logits = [float(kv.queries[q, t] @ kv.keys[h, i]) * kv.scale for i in seen]
+                top = max(logits)
+                total = sum(math.exp(x - top) for x in logits)
+                for i, x in zip(seen, logits):
+                    votes[i] += math.exp(x - top) / total / (W * GROUP)
+        prefix = max(votes[: N - W])
+        out.append([votes[i] if i < N - W else prefix for i in range(N)])
+    return out
+
+
+@pytest.mark.parametrize(("budget", "first_stage_ratio", "epsilon"), [(10, 0.5, 1e-4), (12, 0.75, 0.05), (9, 0.0, 0.0)])
+def test_score_is_the_written_formula(budget, first_stage_ratio, epsilon):
+    """+inf on the window and the top floor(ratio · b) - window prefix slots by the inner score;
+    (inner + epsilon) · mean_q ||v W_o^q||_1 elsewhere."""
+    lengths = (N, 11)
+    kv = _layer(budget, lengths)
+    policy = CriticalKV(budget=budget, window=W, kernel=1, first_stage_ratio=first_stage_ratio, epsilon=epsilon)
+    scores = policy.score(kv, RequestState(budget=budget))
+    inner, norms = _plain_snapkv_mean(kv), _plain_norms(kv)
+    expected = torch.zeros(HEADS, N, dtype=torch.float64)
+    for h in range(HEADS):
+        b = min(budget, lengths[h])
+        first = max(int(first_stage_ratio * b), min(W, b))  # the window comes first, as in kvpress
+        prefix = sorted(range(N - lengths[h], N - W), key=lambda i: -inner[h][i])
+        picked = set(range(N - W, N)) | set(prefix[: first - W])
+        for i in range(N - lengths[h], N):
+            expected[h, i] = math.inf if i in picked else (inner[h][i] + epsilon) * norms[h][i]
+        live = slice(N - lengths[h], N)
+        assert torch.equal(torch.isinf(scores[h, live]), torch.isinf(expected[h, live]))
+        finite = ~torch.isinf(expected[h, live])
+        torch.testing.assert_close(scores[h, live][finite].double(), expected[h, live][finite], rtol=1e-5, atol=0)
+
+
+def test_projected_norms_are_the_plain_sum_in_blocks_of_any_size(monkeypatch):
+    kv = _layer(3)
+    expected = torch.tensor(_plain_norms(kv), dtype=torch.float64)
+    torch.testing.assert_close(projected_value_norms(kv), expected, rtol=1e-12, atol=0)
+    monkeypatch.setattr(criticalkv, "PROJECTED_BLOCK", 1)  # one token per block
+    torch.testing.assert_close(projected_value_norms(kv), expected, rtol=1e-12, atol=0)
+
+
+def test_out_proj_heads_is_each_query_heads_slice_of_the_weight_transposed():
+    weight = torch.randn(HIDDEN, HEADS * GROUP * D)
+    heads = out_proj_heads(weight, D)
+    assert heads.shape == (HEADS * GROUP, D, HIDDEN) and heads.data_ptr() == weight.data_ptr()  # a view
+    for q in range(HEADS * GROUP):
+        assert torch.equal(heads[q], weight[:, q * D:(q + 1) * D].t())
+    with pytest.raises(ValueError, match="not split into heads"):
+        out_proj_heads(weight, 7)
+
+
+def _best_prefix_slot(kv: LayerKV, policy: CriticalKV, h: int) -> int:
+    inner = policy.scorer.score(kv, RequestState(budget=policy.budget))
+    return int(torch.argmax(inner[h, : N - W]))
+
+
+@pytest.mark.parametrize("first_stage_ratio", [0.75, 0.0])
+def test_stage_one_keeps_the_best_inner_token_even_with_a_zero_value(first_stage_ratio):
+    """Its projected norm is 0, so stage 2 alone would drop it; stage 1 keeps it."""
+    kv = _layer(5)
+    policy = CriticalKV(budget=8, window=W, kernel=1, first_stage_ratio=first_stage_ratio)
+    best = _best_prefix_slot(kv, policy, 0)
+    kv.values[0, best] = 0.0
+    (selection,) = policy.decide([kv], RequestState())
+    assert (best in selection.indices[0].tolist()) == (first_stage_ratio > 0)
+
+
+def test_stage_two_keeps_a_low_attention_token_with_a_large_projected_value():
+    kv = _layer(6)
+    policy = CriticalKV(budget=8, window=W, kernel=1)
+    inner = policy.scorer.score(kv, RequestState(budget=8))
+    worst = int(torch.argmin(inner[0, : N - W]))
+    kv.values[0, worst] *= 1e4
+    (critical,) = policy.decide([kv], RequestState())
+    (snap,) = SnapKV(budget=8, window=W, kernel=1).decide([kv], RequestState())
+    assert worst in critical.indices[0].tolist() and worst not in snap.indices[0].tolist()
+
+
+def test_adaptive_heads_allocate_by_the_inner_score_then_run_both_stages_per_head():
+    """CriticalAdaKV (kvpress): the counts are AdaKV's over the inner scores; each head keeps its
+    top max(floor(ratio · b_h), safeguard) by the inner score, the rest by the critical score."""
+    kv = _layer(7)
+    kv.queries[:GROUP] *= 6  # head 0 attends sharply, head 1 broadly: AdaKV moves budget to head 1
+    budget = 8
+    policy = CriticalKV(budget=budget, window=W, kernel=1, heads="adaptive")
+    (selection,) = policy.decide([kv], RequestState())
+    inner = policy.scorer.score(kv, RequestState(budget=budget)).float()
+    counts = [len(idx) for idx in adaptive_topk(inner, budget, kv.valid_lengths(), 0, W)]
+    assert selection.counts().tolist() == counts and counts[0] != counts[1] and sum(counts) == HEADS * budget
+    safeguard = max(W, math.ceil(0.2 * budget))
+    first = protected_topk(inner, [max(int(0.5 * b), min(safeguard, b)) for b in counts], kv.valid_lengths(), 0, W)
+    scores = policy.score(kv, RequestState(budget=budget))
+    for h in range(HEADS):
+        kept = set(selection.indices[h].tolist())
+        assert set(first[h].tolist()) <= kept
+        rest = [i for i in range(N) if i not in set(first[h].tolist())]
+        chosen = [scores[h, i] for i in rest if i in kept]
+        dropped = [scores[h, i] for i in rest if i not in kept]
+        assert min(chosen) >= max(dropped)
+
+
+def test_expected_attention_inner_is_expected_attention_without_the_value_norm():
+    kv = _layer(8)
+    plain = ExpectedAttention(sink=2, epsilon=0.0).score(kv, RequestState())
+    bare = ExpectedAttentionNoNorm(sink=2).score(kv, RequestState())
+    scored = slice(2, N)
+    torch.testing.assert_close(bare[:, scored] * kv.values[:, scored].norm(dim=-1), plain[:, scored], rtol=1e-12,
+                               atol=0)
+    assert bool(torch.isinf(bare[:, :2]).all())
+    policy = make_policy("criticalkv", inner="expected_attention", sink=2, observe=W, first_stage_ratio=0.0)
+    scores = policy.score(kv, RequestState(budget=8))
+    torch.testing.assert_close(scores[:, scored], ((bare[:, scored] + 1e-4) * projected_value_norms(kv)[:, scored]).float())
+
+
+@pytest.mark.parametrize(("header", "key", "fragment"), [
+    ("inner=h2o", "inner", "snapkv, expected_attention"),
+    ("observe=8", "observe", "inner=expected_attention"),
+    ("inner=expected_attention; window=8", "window", "inner=snapkv"),
+    ("kernel=4", "kernel", "even"),
+    ("window=0", "window", "observation query"),
+    ("first_stage_ratio=1.5", "first_stage_ratio", "above the maximum"),
+    ("epsilon=-1", "epsilon", "below the minimum"),
+    ("heads=some", "heads", "uniform, adaptive"),
+    ("prefill=stream", "prefill", "cannot compress during prefill"),
+])
+def test_invalid_settings_name_the_key_and_what_is_allowed(header, key, fragment):
+    with pytest.raises(SpecError) as err:
+        CompressionSpec.from_header(f"policy=criticalkv; {header}")
+    assert err.value.field == key and fragment in str(err.value)
+
+
+def test_each_inner_takes_its_own_settings():
+    snap = CompressionSpec.from_header("policy=criticalkv; budget=64; window=16; kernel=5").build_policy()
+    assert (type(snap.scorer), snap.scorer.budget, snap.scorer.window, snap.scorer.kernel) == (
+        criticalkv.SnapKVMean, 64, 16, 5)
+    ea = CompressionSpec.from_header("criticalkv; ratio=0.3; inner=expected_attention; sink=2; observe=8; "
+                                     "heads=adaptive").build_policy()
+    assert (type(ea.scorer), ea.scorer.ratio, ea.scorer.sink, ea.scorer.observe) == (ExpectedAttentionNoNorm, 0.3, 2, 8)
+    assert ea.queries_needed() == 8 and ea.protected() == (2, 0) and snap.protected() == (0, 16)
+    with pytest.raises(SpecError, match="inner"):
+        CriticalKV(inner="knorm")
+
+
+def test_a_layer_without_its_output_projection_is_an_error():
+    kv = _layer(9)
+    kv.out_proj = None
+    with pytest.raises(ValueError, match="output projection"):
+        CriticalKV(budget=8, window=W).decide([kv], RequestState())
+
+
+def test_the_oracle_hands_each_layers_o_proj_to_a_policy_that_asks(tmp_path):
+    """Split by query head as LayerKV.out_proj says, for every layer; none to a policy that does not ask."""
+    from tests.helpers.tiny_llama import make_tiny_llama
+    from vllm_kvcomp import oracle
+
+    model = oracle.load_model(make_tiny_llama(tmp_path / "llama", num_layers=2, hidden_size=64, num_heads=4,
+                                              num_kv_heads=2, head_dim=16, intermediate_size=64, vocab_size=300))
+    seen: dict[str, list] = {"criticalkv": [], "snapkv": []}
+
+    def spy(cls, key):
+        class Spy(cls):
+            def select_layer(self, kv, state):
+                seen[key].append((kv.layer, kv.out_proj))
+                return super().select_layer(kv, state)
+        return Spy
+
+    oracle.generate(model, list(range(3, 40)), spy(CriticalKV, "criticalkv")(ratio=0.5, window=4), 2)
+    oracle.generate(model, list(range(3, 40)), spy(SnapKV, "snapkv")(ratio=0.5, window=4), 2)
+    assert [layer for layer, _ in seen["criticalkv"]] == [0, 1]
+    for layer, out_proj in seen["criticalkv"]:
+        weight = model.model.layers[layer].self_attn.o_proj.weight
+        assert out_proj.shape == (4, 16, 64)
+        assert all(torch.equal(out_proj[q], weight[:, q * 16:(q + 1) * 16].t()) for q in range(4))
+    assert [out_proj for _, out_proj in seen["snapkv"]] == [None, None]
