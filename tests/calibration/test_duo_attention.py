@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.policies.conftest import _one_thread  # noqa: F401  (autouse: tiny tensors, one thread)
 from vllm_kvcomp.calibration import duo_attention as duo
 from vllm_kvcomp.calibration.profiles import (
     HeadGatesProfile,
@@ -19,15 +20,6 @@ from vllm_kvcomp.calibration.profiles import (
     save_profile,
     to_json,
 )
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one thread avoids OpenMP contention on shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def encode(text: str) -> list[int]:

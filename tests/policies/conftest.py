@@ -262,3 +262,20 @@ def fake_request():
 def check_indices_fixture():
     """The :func:`check_indices` assertion helper."""
     return check_indices
+
+
+def assert_refuses_infeasible_ratio(config, policy: str, ratio: float, allowed_low: str) -> None:
+    """``ratio`` of ``policy`` is refused by the server's profile check (HTTP 400 naming ``ratio``
+    where the client wrote it, header or ``vllm_xargs``, allowing ratios above ``allowed_low``)."""
+    import json
+
+    from vllm_kvcomp.server import protocol
+
+    with pytest.raises(protocol.RequestError) as err:
+        protocol.resolve(config, [f"policy={policy}; ratio={ratio}"], {})
+    assert err.value.param == "X-KV-Compression.ratio"
+    body = json.loads(err.value.to_json())["error"]
+    assert body["code"] == 400 and f"(allowed: a number in ({allowed_low}, 1]" in body["message"]
+    with pytest.raises(protocol.RequestError) as err:
+        protocol.resolve(config, [], {"vllm_xargs": {"kvcomp_policy": policy, "kvcomp_ratio": ratio}})
+    assert err.value.param == "vllm_xargs.kvcomp_ratio"

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from tests.policies.conftest import assert_refuses_infeasible_ratio
 from vllm_kvcomp.calibration.profiles import HeadGatesProfile, ModelIdentity, bind_profile
 from vllm_kvcomp.params import SpecError
 from vllm_kvcomp.policies.base import LayerKV, RequestState
@@ -154,14 +155,7 @@ def test_the_server_answers_an_infeasible_ratio_with_a_400(tmp_path, monkeypatch
 
     model = _served_model(tmp_path, monkeypatch, gates=((0.9, 0.1), (0.2, 0.3), (0.0, 0.6)))
     config = OperatorConfig.for_server(None, str(model))
-    with pytest.raises(protocol.RequestError) as err:
-        protocol.resolve(config, ["policy=duoattention; ratio=0.3"], {})
-    assert err.value.param == "X-KV-Compression.ratio"
-    body = json.loads(err.value.to_json())["error"]
-    assert body["code"] == 400 and "(allowed: a number in (0.3333, 1]" in body["message"]
-    with pytest.raises(protocol.RequestError) as err:
-        protocol.resolve(config, [], {"vllm_xargs": {"kvcomp_policy": "duoattention", "kvcomp_ratio": 0.3}})
-    assert err.value.param == "vllm_xargs.kvcomp_ratio"
+    assert_refuses_infeasible_ratio(config, "duoattention", 0.3, "0.3333")
     assert protocol.resolve(config, ["policy=duoattention; ratio=0.3; sparsity=0.9"], {}).ratio == 0.3
     assert protocol.resolve(config, ["policy=duoattention; ratio=0.3; exact=1"], {}).extras["exact"] == 1
     assert protocol.resolve(config, ["policy=duoattention"], {}).policy == "duoattention"  # 0.5 fits

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from tests.policies.conftest import assert_refuses_infeasible_ratio
 from vllm_kvcomp.calibration.profiles import ModelIdentity, RetrievalHeadsProfile, bind_profile
 from vllm_kvcomp.params import SpecError
 from vllm_kvcomp.policies.base import LayerKV, RequestState
@@ -222,14 +223,7 @@ def test_the_server_answers_an_infeasible_ratio_with_a_400(tmp_path, monkeypatch
     profiles.save_profile(RetrievalHeadsProfile(model=identity, kv_heads=frozenset({(0, 1), (2, 0)})),
                           model_dir=model)
     config = OperatorConfig.for_server(None, str(model))
-    with pytest.raises(protocol.RequestError) as err:
-        protocol.resolve(config, ["policy=razor; ratio=0.25"], {})
-    assert err.value.param == "X-KV-Compression.ratio"
-    body = json.loads(err.value.to_json())["error"]
-    assert body["code"] == 400 and "(allowed: a number in (0.3333, 1]" in body["message"]
-    with pytest.raises(protocol.RequestError) as err:
-        protocol.resolve(config, [], {"vllm_xargs": {"kvcomp_policy": "razor", "kvcomp_ratio": 0.3}})
-    assert err.value.param == "vllm_xargs.kvcomp_ratio"
+    assert_refuses_infeasible_ratio(config, "razor", 0.3, "0.3333")
     assert protocol.resolve(config, ["policy=razor; ratio=0.5"], {}).ratio == 0.5
     assert protocol.resolve(config, ["policy=razor; ratio=0.25; exact=1"], {}).extras["exact"] == 1
     assert protocol.resolve(config, ["policy=razor"], {}).policy == "razor"  # the default ratio, 0.5, fits

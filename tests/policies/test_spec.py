@@ -236,8 +236,9 @@ def specs(draw):
     try:
         return CompressionSpec.from_mapping(mapping)
     except SpecError as err:  # only cross-field rules may reject a per-field valid mapping
-        # pod: budget >= sink + window; streaming; lagkv: lag >= 2; criticalkv: another inner's key
-        assert err.field in ("window", "kernel", "budget", "prefill", "lag", "sink", "observe")
+        # pod: budget >= sink + window; streaming; lagkv: lag >= 2; criticalkv: another inner's key;
+        # context_tokens only with scope=context
+        assert err.field in ("window", "kernel", "budget", "prefill", "lag", "sink", "observe", "context_tokens")
         return CompressionSpec.from_mapping({"policy": name})
 
 
