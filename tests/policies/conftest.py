@@ -279,3 +279,19 @@ def assert_refuses_infeasible_ratio(config, policy: str, ratio: float, allowed_l
     with pytest.raises(protocol.RequestError) as err:
         protocol.resolve(config, [], {"vllm_xargs": {"kvcomp_policy": policy, "kvcomp_ratio": ratio}})
     assert err.value.param == "vllm_xargs.kvcomp_ratio"
+
+
+def served_model_dir(tmp_path, monkeypatch):
+    """A model folder of 3 layers x 2 KV heads (no weights) and an empty package profile store:
+    what a server's profile checks read."""
+    import json
+
+    from vllm_kvcomp.calibration import profiles
+
+    monkeypatch.setattr(profiles, "STORE", tmp_path / "store")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 3,
+                                                   "num_attention_heads": 4, "num_key_value_heads": 2,
+                                                   "hidden_size": 64}))
+    return model

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tests.policies.conftest import assert_refuses_infeasible_ratio
+from tests.policies.conftest import assert_refuses_infeasible_ratio, served_model_dir
 from vllm_kvcomp.calibration.profiles import HeadGatesProfile, ModelIdentity, bind_profile
 from vllm_kvcomp.params import SpecError
 from vllm_kvcomp.policies.base import LayerKV, RequestState
@@ -135,12 +135,7 @@ def _served_model(tmp_path, monkeypatch, gates=None):
     empty package store."""
     from vllm_kvcomp.calibration import profiles
 
-    monkeypatch.setattr(profiles, "STORE", tmp_path / "store")
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 3,
-                                                   "num_attention_heads": 4, "num_key_value_heads": 2,
-                                                   "hidden_size": 64}))
+    model = served_model_dir(tmp_path, monkeypatch)
     if gates is not None:
         identity = ModelIdentity.from_model_dir(model)
         profiles.save_profile(HeadGatesProfile(model=identity, gates=gates), model_dir=model)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tests.policies.conftest import assert_refuses_infeasible_ratio
+from tests.policies.conftest import assert_refuses_infeasible_ratio, served_model_dir
 from vllm_kvcomp.calibration.profiles import ModelIdentity, RetrievalHeadsProfile, bind_profile
 from vllm_kvcomp.params import SpecError
 from vllm_kvcomp.policies.base import LayerKV, RequestState
@@ -205,20 +205,14 @@ def test_check_fit_refuses_what_the_retrieval_heads_fill_alone():
 
 
 def test_the_server_answers_an_infeasible_ratio_with_a_400(tmp_path, monkeypatch):
-    """protocol.resolve with the model's profile: ratio=0.25 is refused naming ``ratio`` and the
+    """protocol.resolve with the model's profile: ratio=0.3 is refused naming ``ratio`` and the
     allowed values; ratio=0.5 and exact=1 pass; a request without settings gets the default."""
-    import json
 
     from vllm_kvcomp.calibration import profiles
     from vllm_kvcomp.server import protocol
     from vllm_kvcomp.server.operator_config import OperatorConfig
 
-    monkeypatch.setattr(profiles, "STORE", tmp_path / "store")
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 3,
-                                                   "num_attention_heads": 4, "num_key_value_heads": 2,
-                                                   "hidden_size": 64}))
+    model = served_model_dir(tmp_path, monkeypatch)
     identity = ModelIdentity.from_model_dir(model)
     profiles.save_profile(RetrievalHeadsProfile(model=identity, kv_heads=frozenset({(0, 1), (2, 0)})),
                           model_dir=model)
