@@ -35,6 +35,12 @@ request, greedy decoding. The timing, which the vLLM integration must reproduce 
    *After* that forward, if ``policy.recompresses`` (``RECOMPRESSES`` and ``scope=all``) and ``policy.due(state, num_tokens=M,
    steps_since=S)`` — M = max live tokens over all layers and heads (kept + appended), S = decode
    forwards since the last compression — step 2 runs again on the current stores.
+3b. **Speculative decoding** (``decode_forwards``): an engine forward verifies several tokens and
+   confirms ``c`` of them (the last sampled token and the accepted drafts; the rejected drafts'
+   keys and queries are dropped). Those ``c`` tokens attend exactly as ``c`` single-token forwards
+   over the same cache would (causal), so the oracle forwards them one by one, and the decode
+   forward count, ``S`` and the recompression check advance once per engine forward, after its
+   ``c`` tokens. Forwards beyond the list confirm one token each.
 
 **Context scope** (``scope=context``, C = ``policy.context_end(P)``): ``RequestState.prompt_len``
 is C, the query windows hold only queries of positions before C, and step 2 runs once, after the
@@ -368,6 +374,7 @@ def generate(
     stop_token_ids: Collection[int] = (),
     block_size: int | None = None,
     prefill_chunk: int | Sequence[int] | None = None,
+    decode_forwards: Sequence[int] | None = None,
 ) -> OracleResult:
     """Greedy generation with ``policy`` applied to the cache exactly as the module docstring says.
 
@@ -375,7 +382,8 @@ def generate(
     means no compression. ``profile`` (a calibration profile) is bound to the policy first.
     ``block_size`` rounds every head's kept count up to the engine's page grid (see step 2).
     ``prefill_chunk`` forwards the prompt in chunks of that many tokens, or ending at the given
-    positions (the engine's chunk boundaries), see step 1b.
+    positions (the engine's chunk boundaries), see step 1b. ``decode_forwards`` gives how many
+    tokens each decode forward of the engine confirmed (speculative decoding), see step 3b.
     """
     if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         raise ValueError(f"load the model with oracle.load_model (attn_implementation={ATTN_IMPLEMENTATION!r})")
@@ -402,14 +410,20 @@ def generate(
     result.logprobs.append(logprob)
     if compresses:
         result.compressions.append(_compress(session, policy, state, 0, processed, block_size))
+    forwards = iter(decode_forwards or ())
     decode_steps = steps_since = 0
+    left = next(forwards, 1)  # tokens still to come in this engine forward
     while len(result.token_ids) < max_new_tokens and token not in stop_token_ids:
         token, logprob = _forward(model, session, [token], processed)
         processed += 1
-        decode_steps += 1
-        steps_since += 1
         result.token_ids.append(token)
         result.logprobs.append(logprob)
+        left -= 1
+        if left > 0:  # the same engine forward verifies the next token too: no check in between
+            continue
+        left = next(forwards, 1)
+        decode_steps += 1
+        steps_since += 1
         if compresses and policy.recompresses and policy.due(state, session.max_live(), steps_since):
             result.compressions.append(_compress(session, policy, state, decode_steps, processed, block_size))
             steps_since = 0

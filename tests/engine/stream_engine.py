@@ -2,8 +2,9 @@
 
 ``python -m tests.engine.stream_engine MODEL CHUNK POOL MAX_LEN LONG_PROMPTS [CONNECTOR [TP [ARGS]]] < requests.json`` runs
 each batch of requests to completion (step by step) and prints one JSON line per request: its
-tokens, logprobs, ``kv_transfer_params['kvcomp']``, the chunk ends its prefill was cut at, and the
-peak number of KV blocks the batch held; then the pool's free count at the end. CONNECTOR 0 runs
+tokens, logprobs, ``kv_transfer_params['kvcomp']``, the chunk ends its prefill was cut at, per
+decode forward the draft tokens it verified and the tokens it confirmed (speculative decoding),
+and the peak number of KV blocks the batch held; then the pool's free count at the end. CONNECTOR 0 runs
 plain vLLM (no kvcomp connector) for comparisons.
 """
 
@@ -56,8 +57,11 @@ def _run_batch(engine, scheduler, pool, batch: list[dict]) -> list[dict]:
     ends: dict[str, list[int]] = {rid: [] for rid in ids}
     aborts = {rid: req["abort_after"] for rid, req in zip(ids, batch) if req.get("abort_after") is not None}
     peak, outputs, steps = 0, {}, 0
+    forwards: dict[str, list[list[int]]] = {rid: [] for rid in ids}  # decode: [drafts, confirmed] per step
     while engine.has_unfinished_requests():
         steps += 1
+        before = {rid: (r.num_computed_tokens, len(r.spec_token_ids or ())) for rid, r in scheduler.requests.items()
+                  if r.num_computed_tokens >= r.num_prompt_tokens}
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out
@@ -66,6 +70,9 @@ def _run_batch(engine, scheduler, pool, batch: list[dict]) -> list[dict]:
             del aborts[rid]
         for rid, request in scheduler.requests.items():
             name = next((i for i in ids if rid.startswith(i)), None)
+            if name is not None and rid in before:
+                computed, drafts = before[rid]
+                forwards[name].append([drafts, request.num_computed_tokens - computed])
             prefilling = name is not None and request.num_computed_tokens <= request.num_prompt_tokens
             if prefilling and (not ends[name] or ends[name][-1] != request.num_computed_tokens):
                 ends[name].append(request.num_computed_tokens)
@@ -82,7 +89,7 @@ def _run_batch(engine, scheduler, pool, batch: list[dict]) -> list[dict]:
             "name": rid, "tokens": list(completion.token_ids),
             "logprobs": [lp[t].logprob for t, lp in zip(completion.token_ids, completion.logprobs or [])],
             "kvcomp": (out.kv_transfer_params or {}).get("kvcomp"), "finish_reason": completion.finish_reason,
-            "chunk_ends": ends[rid], "peak_blocks": peak,
+            "chunk_ends": ends[rid], "peak_blocks": peak, "decode_forwards": forwards[rid],
         })
     return results
 

@@ -132,7 +132,8 @@ ROWS = [
     Row("deepseek-v2", "DeepSeek-V2 (MLA)", "multi-head latent attention: `kv_lora_rank` 512 (vLLM CPU 0.32's MLA "
         "decode kernel takes only a 576-wide latent, 512 + 64 RoPE), q/k head 64 + 64 RoPE, v head 64; MoE",
         "deepseek-v2", limitation=True),
-    Row("ngram", "`--speculative-config` ngram", "ngram speculation, 2 draft tokens", "ngram", limitation=True),
+    Row("ngram", "`--speculative-config` ngram", "ngram speculation, 2 draft tokens verified over the compressed "
+        "requests' packed pages, rejected ones rolled back (engine == oracle: test_speculative.py)", "ngram"),
     Row("prefix", "prefix caching on", "the batch twice: the second run reads the first's cached prompt blocks",
         "prefix"),
     Row("chunked", "chunked prefill", "`max_num_batched_tokens` 128: every prompt in several chunks", "chunked"),
@@ -147,10 +148,9 @@ ROW = {row.name: row for row in ROWS}
 EXPECTED = {
     **{name: "compresses" for name in ("llama3", "qwen2", "qwen2.5", "qwen3", "mistral", "mixtral", "phi3",
                                          "granite", "olmo2", "gemma2", "gemma3", "gpt-oss", "prefix", "chunked",
-                                         "prefill-stream", "async")},
+                                         "prefill-stream", "async", "ngram")},
     "mistral-swa": "uncompressed: no single full-attention KV-cache group",
     "deepseek-v2": "uncompressed: multi-head latent attention",
-    "ngram": "uncompressed: speculative decoding",
 }
 
 # ----------------------------------------------------------------------------- running engines

@@ -4,8 +4,10 @@ every legal path, and an illegal transition is an error, never a silent state.""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from vllm_kvcomp.engine.lifecycle import IllegalTransition, Lifecycle, Phase
+from vllm_kvcomp.engine.state import QueryWindow
 
 
 def test_prompt_end_then_decode_and_recompressions():
@@ -20,6 +22,36 @@ def test_prompt_end_then_decode_and_recompressions():
     assert life.steps_since == 2
     life.compressed()  # a decode recompression
     assert life.phase is Phase.DECODE and life.steps_since == 0
+
+
+def test_a_speculative_forward_defers_its_recompression_check_to_the_next_bind():
+    life = Lifecycle()
+    life.prompt_complete(100)
+    life.compressed()
+    life.decoded(drafts=True)  # verified drafts: which stay is known only at the next bind
+    assert life.check_deferred and life.steps_since == 1
+    assert life.deferred_check() and not life.check_deferred and not life.deferred_check()
+    life.decoded()
+    assert not life.deferred_check() and life.steps_since == 2
+
+
+def test_query_window_rolls_back_rejected_drafts_without_losing_confirmed_queries():
+    """Window of 2: a step verifies token 10 and drafts 11-13 (held beyond the window), the sampler
+    keeps 10 and 11: the confirmed window is [10, 11], never shortened by the rejected 12-13."""
+    window = QueryWindow(2)
+    window.push(torch.zeros(10, 1, 1), 0)
+    window.push(torch.ones(4, 1, 1), 10, drafts=3)
+    assert window.positions.tolist() == [12, 13]  # what a policy would read before the rollback
+    window.truncate(12)
+    assert window.positions.tolist() == [10, 11] and window.queries.flatten().tolist() == [1.0, 1.0]
+    window.push(torch.full((1, 1, 1), 2.0), 12)  # the next step: position 12 again
+    assert window.positions.tolist() == [11, 12] and window.queries.flatten().tolist() == [1.0, 2.0]
+    window.push(torch.full((2, 1, 1), 3.0), 11)  # a push drops what it recomputes
+    assert window.positions.tolist() == [11, 12] and window.queries.flatten().tolist() == [3.0, 3.0]
+    window.truncate(12)
+    assert window.positions.tolist() == [11] and window.end == 12
+    window.truncate(5)  # past everything held
+    assert window.queries is None and window.positions is None and window.end == 5
 
 
 def test_streamed_chunks_stay_in_prefill():

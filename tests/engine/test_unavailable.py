@@ -1,6 +1,6 @@
 """Engines that cannot compress serve every request, and every compressed request says so.
 
-Speculative decoding (ngram: no draft model) and a model whose every layer uses sliding-window
+Speculative decoding with a draft model and a model whose every layer uses sliding-window
 attention: the engine starts and keeps serving; a request asking for compression runs
 uncompressed with ``applied: none`` and the reason in its result (what ``usage.kv_compression``
 and the applied header report), never a claim of compression that did not happen. Engines run in
@@ -9,12 +9,15 @@ child processes (tests/engine/stream_engine.py).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from tests.engine.conftest import prompt_ids
 from tests.engine.stream_engine import engine_request, run_engine
 from vllm_kvcomp.engine.metadata import WorkerReport
 from vllm_kvcomp.engine.scheduler import KVCompScheduler, RequestStats
+from vllm_kvcomp.engine.support import TARGET_ONLY_SPECULATION, unavailable_reason
 from vllm_kvcomp.spec import CompressionSpec
 
 pytestmark = pytest.mark.engine
@@ -30,15 +33,21 @@ def _runs(model_dir, **engine_args):
     return {r["name"].rsplit("-", 1)[0]: r for r in results}
 
 
-@pytest.mark.engine
-def test_speculative_decoding_serves_everything_uncompressed(tiny_model_dir):
-    runs = _runs(tiny_model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
-                                                 "prompt_lookup_max": 3, "prompt_lookup_min": 2})
-    assert len(runs["plain"]["tokens"]) == len(runs["asked"]["tokens"]) == 6
-    assert runs["plain"]["kvcomp"] is None
-    result = runs["asked"]["kvcomp"]
-    assert result["applied"] == "none" and result["kept_fraction"] == 1.0 and result["compressions"] == 0
-    assert "speculative decoding" in result["reason"] and result["requested"].startswith("policy=snapkv")
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "draft_model", "medusa", "mtp"])
+def test_speculation_with_a_draft_model_is_served_uncompressed_naming_what_works(method):
+    """Draft models keep their own KV in the request's blocks: refused (uncompressed, with the
+    reason naming the methods that compress) — the server keeps serving. ngram / suffix compress
+    (tests/engine/test_speculative.py), with synchronous scheduling only."""
+    config = SimpleNamespace(speculative_config={"method": method}, scheduler_config=SimpleNamespace(
+        async_scheduling=False), model_config=None)
+    reason = unavailable_reason(config)
+    assert reason is not None and repr(method) in reason and "'ngram' or 'suffix'" in reason
+    for method in TARGET_ONLY_SPECULATION:
+        config.speculative_config = SimpleNamespace(method=method)
+        assert unavailable_reason(config) is None
+        config.scheduler_config.async_scheduling = True
+        assert "--async-scheduling" in unavailable_reason(config)
+        config.scheduler_config.async_scheduling = False
 
 
 @pytest.mark.engine

@@ -44,7 +44,7 @@ def engine_inputs(policy: Policy, request: FakeRequest) -> list[LayerKV]:
         window = QueryWindow(policy.queries_needed(), limit=policy.context_end(n))
         for start in range(0, n, CHUNK):
             end = min(start + CHUNK, n)
-            window.push(request.queries[layer][:, start:end].transpose(0, 1), torch.arange(start, end))
+            window.push(request.queries[layer][:, start:end].transpose(0, 1), start)
         kv.queries = None if window.queries is None else window.queries.transpose(0, 1)
         kv.query_positions = window.positions
     return layers
@@ -85,7 +85,7 @@ def test_kept_context_does_not_depend_on_the_question(case):
 def test_window_keeps_the_last_queries_before_the_context_end():
     window = QueryWindow(4, limit=10)
     for start in range(0, 16, 3):
-        window.push(torch.full((3, 2, 1), float(start)), torch.arange(start, start + 3))
+        window.push(torch.full((3, 2, 1), float(start)), start)
     assert window.positions.tolist() == [6, 7, 8, 9]
 
 

@@ -24,6 +24,11 @@ handed out in step t+2 at the earliest, spares wait for the report that asks for
     on_worker_report: copied -> install spares
       (SpareState.SETTLED), freeable -> free    DECODE ──finish_step, policy.due: recompress ──▶ DECODE
       leading columns (null block)
+                                               DECODE ──finish_step of a forward that verified draft
+                                                 │      tokens (speculative decoding): which of them
+                                                 │      stay is not known yet ──▶ DECODE, check deferred
+                                                 └──bind (next step): the recompression check runs
+                                                    over the confirmed tokens only (num_computed)
 
     any state ──preempted (build_meta: dropped) ──▶ forgotten on both sides; vLLM recomputes the
         prompt and the request starts over at TRACKED / PREFILL (spares released)
@@ -69,6 +74,8 @@ class Lifecycle:
     prompt_end: int | None = None
     spares_needed: int = 0  # AWAITING_SPARES: wait until this many spares come
     steps_since: int = 0  # DECODE: forwards since the last compression
+    #: DECODE: the last forward verified draft tokens; its recompression check waits for bind
+    check_deferred: bool = False
     #: copy-on-compress: column -> spare block the first compaction packed into (the scheduler's
     #: block table says so too once it processed the report; until then this is the truth)
     block_override: dict[int, int] = field(default_factory=dict)
@@ -99,7 +106,14 @@ class Lifecycle:
             self.phase, self.prompt_end, self.spares_needed = Phase.DECODE, None, 0
         self.steps_since = 0
 
-    def decoded(self) -> None:
-        """finish_step in DECODE: one more forward since the last compression."""
+    def decoded(self, drafts: bool = False) -> None:
+        """finish_step in DECODE: one more forward since the last compression; with ``drafts``
+        (it verified draft tokens) the recompression check waits for the next bind."""
         self._expect(Phase.DECODE)
         self.steps_since += 1
+        self.check_deferred = drafts
+
+    def deferred_check(self) -> bool:
+        """bind: whether a deferred recompression check is due now (and no longer pending)."""
+        due, self.check_deferred = self.check_deferred, False
+        return due

@@ -14,27 +14,59 @@ from vllm_kvcomp.spec import CompressionSpec
 
 @dataclass
 class QueryWindow:
-    """Rolling buffer of the last ``size`` queries of one layer: [w, H_q, D] + positions [w];
-    with ``limit`` only those of positions before it (``scope=context``: the context's own)."""
+    """Rolling buffer of the last ``size`` queries of one layer: ``queries`` [w, H_q, D] and
+    ``positions`` [w]; with ``limit`` only those of positions before it (``scope=context``: the
+    context's own). Queries of draft tokens a speculative step may still reject are held beyond
+    the ``size`` (rolled back with :meth:`truncate`), so a rejection never shortens the window.
+    Held positions are consecutive, ending at ``end``; bookkeeping stays on the host (no reads of
+    device tensors: it runs inside every layer)."""
 
     size: int
     limit: int | None = None
-    queries: torch.Tensor | None = None
-    positions: torch.Tensor | None = None
+    _queries: torch.Tensor | None = None  # [size + drafts, H_q, D]
+    _positions: torch.Tensor | None = None  # [size + drafts], consecutive
+    end: int = 0  # one past the last held position
 
-    def push(self, queries: torch.Tensor, positions: torch.Tensor) -> None:
+    @property
+    def queries(self) -> torch.Tensor | None:
+        return None if self._queries is None else self._queries[-self.size :]
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        return None if self._positions is None else self._positions[-self.size :]
+
+    def push(self, queries: torch.Tensor, start: int, drafts: int = 0) -> None:
+        """Append queries [n, H_q, D] of positions ``start..start+n-1``, the last ``drafts`` of
+        them draft tokens; held queries at or after ``start`` are dropped first (a speculative
+        step's rejected drafts, computed again)."""
         if self.size <= 0:
             return
+        self.truncate(start)
+        n = queries.shape[0]
         if self.limit is not None:
-            if int(positions[0]) >= self.limit:
+            if start >= self.limit:
                 return
-            before = positions < self.limit
-            queries, positions = queries[before], positions[before]
-        if self.queries is not None:
-            queries = torch.cat([self.queries, queries])
-            positions = torch.cat([self.positions, positions])
-        self.queries = queries[-self.size :].clone()
-        self.positions = positions[-self.size :].clone()
+            n = min(n, self.limit - start)
+            queries = queries[:n]
+        if self._queries is not None and start != self.end:  # not consecutive: start over
+            self._queries = self._positions = None
+        positions = torch.arange(start, start + n)
+        if self._queries is not None:
+            queries = torch.cat([self._queries, queries])
+            positions = torch.cat([self._positions, positions])
+        keep = self.size + drafts
+        self._queries, self._positions, self.end = queries[-keep:].clone(), positions[-keep:].clone(), start + n
+
+    def truncate(self, end: int) -> None:
+        """Forget the queries of positions ``>= end`` (tokens the engine rolled back)."""
+        if self._queries is None or self.end <= end:
+            return
+        held = self._queries.shape[0] - (self.end - end)
+        self.end = end
+        if held <= 0:
+            self._queries = self._positions = None
+        else:
+            self._queries, self._positions = self._queries[:held], self._positions[:held]
 
 
 @dataclass

@@ -10,12 +10,29 @@ from __future__ import annotations
 
 from typing import Any
 
+#: speculative methods that verify drafts on the target model alone (no draft model, no draft KV):
+#: a compressed request's step then has several query tokens over its packed pages, and the
+#: rejected ones are rolled back (see :mod:`~vllm_kvcomp.engine.lifecycle`)
+TARGET_ONLY_SPECULATION = ("ngram", "suffix")
+
+
+def _field(config: Any, name: str) -> Any:
+    return config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+
 
 def unavailable_reason(vllm_config: Any) -> str | None:
     """The reason compression cannot run on this engine, or None."""
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        return ("speculative decoding (--speculative-config) is on; vllm-kvcomp does not yet verify draft "
-                "tokens over packed pages, so requests are served uncompressed")
+    speculative = getattr(vllm_config, "speculative_config", None)
+    if speculative is not None:
+        method = _field(speculative, "method")
+        if method not in TARGET_ONLY_SPECULATION:
+            return (f"speculative decoding with method {method!r} runs a draft model over the request's KV "
+                    f"blocks, which vllm-kvcomp does not compress; compressed requests work with "
+                    f"{' or '.join(repr(m) for m in TARGET_ONLY_SPECULATION)} speculation (no draft model)")
+        if getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False):
+            return (f"{method!r} speculative decoding with --async-scheduling: the scheduler plans a step before "
+                    f"it knows which draft tokens were rejected; vllm-kvcomp compresses speculative requests "
+                    f"with synchronous scheduling only")
     model = getattr(vllm_config, "model_config", None)
     if model is None:
         return None

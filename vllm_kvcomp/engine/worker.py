@@ -151,8 +151,17 @@ class KVCompWorker:
             # The prompt-end compression runs here, before this step's forward, not after the
             # forward that completed the prompt: the first token leaves first (TTFT), and the
             # next token attends the compressed cache exactly as it would have.
+            # after a speculative step only the confirmed tokens count (r.num_computed): the
+            # rejected drafts' keys are overwritten by this step, their queries leave the windows
             if life.compression_pending and not self._waits_for_spares(state, r):
-                self._compress(r.req_id, state, r, life.prompt_end, decode=False)
+                end = min(life.prompt_end, r.num_computed)  # postponed while decoding speculatively
+                for window in state.windows:
+                    window.truncate(end)
+                self._compress(r.req_id, state, r, end, decode=False)
+            elif life.deferred_check():
+                for window in state.windows:
+                    window.truncate(r.num_computed)
+                self._recompress_if_due(r.req_id, state, r, r.num_computed)
 
     def _new_state(self, r: ScheduledRequest) -> CompressedRequest:
         """State for a new request; a spec that cannot be built (e.g. a missing calibration
@@ -209,8 +218,10 @@ class KVCompWorker:
         for row in rows:
             window = self.requests[row.req_id].windows[layer]
             if window.size:
-                start = self.step[row.req_id].num_computed
-                window.push(query[row.lo : row.hi], torch.arange(start, start + row.hi - row.lo))
+                sched, n = self.step[row.req_id], row.hi - row.lo
+                start = sched.num_computed
+                drafts = n - 1 if start >= sched.prompt_len else 0  # decode: speculative draft tokens
+                window.push(query[row.lo : row.hi], start, drafts)
         if self._batch is None:
             self._batch = self._paged_batch([r for r in rows if self.requests[r.req_id].compressed])
         batch = self._batch
@@ -287,9 +298,22 @@ class KVCompWorker:
                     if policy.stream_due(state.policy_state, live):
                         self._compress(rid, state, sched, end, decode=False)
                 continue
-            life.decoded()
-            if policy.recompresses and policy.due(state.policy_state, live, life.steps_since):
-                self._compress(rid, state, sched, end, decode=True)
+            drafts = sched.num_scheduled > 1  # speculative decoding: some may be rejected
+            life.decoded(drafts=drafts and policy.recompresses)
+            if not drafts:
+                self._recompress_if_due(rid, state, sched, end, live)
+
+    def _recompress_if_due(self, rid: str, state: CompressedRequest, sched: ScheduledRequest, end: int,
+                           live: int | None = None) -> None:
+        """Decode recompression at ``end`` tokens if the policy says it is due (``live``: the
+        longest head over every rank, read here when not given)."""
+        policy = state.policy
+        if not policy.recompresses:
+            return
+        if live is None:
+            live = int(self.ranks.reduce(int(state.pages.lengths(end).max()), max))
+        if policy.due(state.policy_state, live, state.lifecycle.steps_since):
+            self._compress(rid, state, sched, end, decode=True)
 
     def _layer_inputs(self, state: CompressedRequest, block_ids: torch.Tensor, end: int) -> list[LayerKV]:
         """Every layer's live K/V, right-aligned per head as policies expect (read on the host)."""
