@@ -94,6 +94,35 @@ def test_end_to_end_two_policies_and_resume(api: str, fake_server, whitespace_co
     assert len(runner.read_jsonl(out)) == 18
 
 
+def test_context_scope_sends_the_question_as_its_own_message(fake_server, whitespace_counter,
+                                                           essay_dir: Path, tmp_path: Path) -> None:
+    """``--scope context``: every condition (full too) sends the document and the question as two
+    user messages; compressing ones add ``scope=context`` so the server compresses the document
+    only. Records say so and resume apart from the same conditions in scope ``all``."""
+    out = tmp_path / "results.jsonl"
+    items = plan(["passkey5", "niah", "multiturn"], [600], 2)
+    conds = runner.conditions(["full", "snapkv"], [0.4], "context")
+    settings = Settings(fake_server.url, "fake-model", concurrency=2)
+    stats = runner.run(_ctx(whitespace_counter, essay_dir), items, conds, settings, out)
+    records = runner.read_jsonl(out)
+    assert stats.errors == 0 and len(records) == 3 * 2 * 2
+    assert {r["header"] for r in fake_server.requests} == {"policy=full", "policy=snapkv; ratio=0.4; scope=context"}
+    for request in fake_server.requests:
+        messages = request["body"]["messages"]
+        assert [m["role"] for m in messages[:2]] == ["user", "user"]
+        assert messages[1]["content"].endswith("only.") and messages[1]["content"] not in messages[0]["content"]
+        assert len(messages) in (2, 4)  # the multiturn's second request: + the reply and question 2
+    # the fake server keeps the first message's tail only: the question, a message of its own, survives
+    lost = [r for r in records if r["policy"] == "snapkv" and r["depth"] == 0.0]
+    assert lost and all(r["score"] == 0.0 for r in lost)
+    assert all(r["scope"] == "context" and r["key"].endswith("|context") for r in records)
+    assert all(r["score"] == 1.0 for r in records if r["policy"] == "full")
+    with pytest.raises(ValueError, match="--scope"):
+        runner.conditions(["snapkv:scope=context"], [0.4])
+    with pytest.raises(ValueError, match="scope must be one of"):
+        runner.conditions(["snapkv"], [0.4], "question")
+
+
 def test_failed_requests_are_recorded_retried_and_bounded(fake_server, whitespace_counter,
                                                           essay_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "results.jsonl"
@@ -152,6 +181,8 @@ def test_cli_reports_bad_input_without_traceback(capsys: pytest.CaptureFixture[s
     assert cli.run(parser.parse_args([*base, "--policies", "bogus"])) == 2
     assert "unknown policy" in capsys.readouterr().err
     assert cli.run(parser.parse_args([*base, "--depths", "150"])) == 2
+    assert cli.run(parser.parse_args([*base, "--scope", "context", "--api", "completions"])) == 2
+    assert "--scope context needs --api chat" in capsys.readouterr().err
     assert cli.run(parser.parse_args(["--no-tokenizer"])) == 2
     assert cli.parse_length("4k") == 4096 and cli.parse_length("1500") == 1500
 

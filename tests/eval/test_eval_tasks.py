@@ -9,6 +9,7 @@ import pytest
 from vllm_kvcomp.eval.haystack import essay_sentences
 from vllm_kvcomp.eval.tasks import TASKS, TaskContext, generate, niah, passkey, plan
 from vllm_kvcomp.eval.tasks import multiturn as mt
+from vllm_kvcomp.eval.tasks.base import Turn
 from vllm_kvcomp.eval.tasks.sizing import TokenCounter, tolerance
 
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -74,6 +75,18 @@ def test_needle_sits_at_requested_depth(task: str, needle: str, index: int, essa
     n_before, n_after = counter.count(before), counter.count(after)
     measured = n_before / (n_before + n_after)
     assert abs(measured - sample.depth) <= 0.02, (measured, sample.depth)
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_the_first_turn_splits_into_the_document_and_its_question(task: str, bpe_counter, essay_dir: Path) -> None:
+    """What ``--scope context`` sends: the document, then the question that ended the prompt."""
+    first = generate(_ctx(bpe_counter, essay_dir), task, 1024, 0).turns[0]
+    context, question = first.messages(split=True)
+    assert question["content"] == first.question and first.question not in context["content"]
+    assert context["content"] + "\n\n" + question["content"] == first.user
+    assert first.messages(split=False) == [{"role": "user", "content": first.user}]
+    with pytest.raises(ValueError, match="question must be the end"):
+        Turn("a document. A question?", ("1",), "exact", question="Another?")
 
 
 def test_passkey_key_lengths_and_scorers(bpe_counter, essay_dir: Path) -> None:

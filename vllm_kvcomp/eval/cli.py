@@ -50,6 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma list; full = baseline; NAME:key=value[:key=value] adds "
                              "settings (lagkv:lag=64), NAME:ratio=R runs only at R")
     parser.add_argument("--ratios", default="0.5,0.25", help="kept fractions, comma list")
+    parser.add_argument("--scope", choices=("all", "context"), default="all",
+                        help="context: the document and the question are separate chat messages (every "
+                             "condition) and compressing conditions send scope=context, so the question is "
+                             "never compressed (kvpress's leaderboard protocol); needs --api chat")
     parser.add_argument("--lengths", default="1k,2k,4k",
                         help="prompt lengths in the model's tokens, comma list (4k = 4096)")
     parser.add_argument("--depths", default="0,25,50,75,100",
@@ -104,7 +108,10 @@ def _evaluate(args: argparse.Namespace) -> list[dict]:
     depths = tuple(d / 100.0 for d in _csv(args.depths, float))
     if not depths or any(not 0.0 <= d <= 1.0 for d in depths):
         raise ValueError(f"--depths must be percentages in [0, 100], got {args.depths!r}")
-    conds = runner.conditions(_csv(args.policies, str), _csv(args.ratios, float))
+    if args.scope == "context" and args.api != "chat":
+        raise ValueError("--scope context needs --api chat (the server counts the context as the messages "
+                         "before the last user message; raw completions would have to send context_tokens)")
+    conds = runner.conditions(_csv(args.policies, str), _csv(args.ratios, float), args.scope)
     extra = claims.claim_samples(args.claim_samples) if args.claim_samples > 0 else None
     work = runner.schedule(_csv(args.tasks, str), _csv(args.lengths, parse_length), conds,
                            args.samples, extra)

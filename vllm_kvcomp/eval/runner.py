@@ -32,6 +32,10 @@ APPLIED_HEADER = "X-KV-Compression-Applied"
 
 
 Setting = tuple[str, Any]
+Scope = Literal["all", "context"]
+SCOPES: tuple[Scope, ...] = ("all", "context")
+#: settings a run sets for every condition (``--scope``), never per policy
+RUN_WIDE = ("scope", "context_tokens")
 
 
 def _text(value: Any) -> str:
@@ -41,11 +45,14 @@ def _text(value: Any) -> str:
 @dataclass(frozen=True)
 class Condition:
     """One compression setting: a policy, its kept ratio (``None`` for ``full``) and any further
-    settings sent in the header (``lag=64``), sorted by key, defaults left out."""
+    settings sent in the header (``lag=64``), sorted by key, defaults left out; ``scope`` is the
+    run's (``context``: the document and the question are separate messages, for every condition,
+    and a compressing one compresses the document only)."""
 
     policy: str
     ratio: float | None = None
     params: tuple[Setting, ...] = ()
+    scope: Scope = "all"
 
     @property
     def label(self) -> str:
@@ -57,7 +64,8 @@ class Condition:
         if self.ratio is None:
             return "policy=full"
         extra = "".join(f"; {k}={_text(v)}" for k, v in self.params)
-        return f"policy={self.policy}; ratio={self.ratio:g}{extra}"
+        scope = "; scope=context" if self.scope == "context" else ""
+        return f"policy={self.policy}; ratio={self.ratio:g}{extra}{scope}"
 
     @property
     def kept_ratio(self) -> float:
@@ -85,8 +93,10 @@ def parse_condition(text: str) -> tuple[str, float | None, tuple[Setting, ...]]:
         key = key.lower()
         if not sep or not key or not value:
             raise ValueError(f"bad setting {part!r} in {text!r} (expected key=value)")
+        if key in RUN_WIDE:
+            raise ValueError(f"{text!r}: {key} is set for the whole run (--scope), not per policy")
         if key not in accepted or key == "budget":
-            allowed = ", ".join(k for k in accepted if k != "budget") or "none"
+            allowed = ", ".join(k for k in accepted if k != "budget" and k not in RUN_WIDE) or "none"
             raise ValueError(f"{name} does not take {key!r} here (allowed: {allowed})")
         try:
             settings[key] = accepted[key].coerce(value)
@@ -101,12 +111,15 @@ def parse_condition(text: str) -> tuple[str, float | None, tuple[Setting, ...]]:
     return name, ratio, params
 
 
-def conditions(policies: Sequence[str], ratios: Sequence[float]) -> list[Condition]:
-    """Every policy at every ratio; ``full`` (or ``none``) once; ``name:ratio=r`` only at r.
+def conditions(policies: Sequence[str], ratios: Sequence[float], scope: Scope = "all") -> list[Condition]:
+    """Every policy at every ratio; ``full`` (or ``none``) once; ``name:ratio=r`` only at r; all in
+    ``scope``.
 
     Entries may carry settings (``lagkv:lag=64``, see :func:`parse_condition`). Invalid input
     raises ValueError.
     """
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {', '.join(SCOPES)}, got {scope!r}")
     bad = [r for r in ratios if not 0.0 < r <= 1.0]
     if bad:
         raise ValueError(f"ratios must be in (0, 1] (fraction of tokens kept), got {bad}")
@@ -118,13 +131,13 @@ def conditions(policies: Sequence[str], ratios: Sequence[float]) -> list[Conditi
         if name == "full":
             if params or pinned is not None:
                 raise ValueError(f"{raw!r}: full takes no settings")
-            new = [Condition("full")]
+            new = [Condition("full", scope=scope)]
         elif pinned is not None:
-            new = [Condition(name, pinned, params)]
+            new = [Condition(name, pinned, params, scope)]
         elif not ratios:
             raise ValueError(f"policy {name!r} needs at least one ratio")
         else:
-            new = [Condition(name, r, params) for r in ratios]
+            new = [Condition(name, r, params, scope) for r in ratios]
         out.extend(c for c in new if c not in out)
     return out
 
@@ -144,8 +157,10 @@ class Settings:
 
 
 def record_key(model: str, uid: str, condition: Condition) -> str:
-    """Resume key of one JSONL line (a condition without settings keys by its policy name)."""
-    return f"{model}|{uid}|{condition.label}|{condition.kept_ratio:g}"
+    """Resume key of one JSONL line (a condition without settings keys by its policy name; the
+    context scope's keys end in ``|context``)."""
+    scope = "|context" if condition.scope == "context" else ""
+    return f"{model}|{uid}|{condition.label}|{condition.kept_ratio:g}{scope}"
 
 
 def base_url(url: str) -> str:
@@ -258,7 +273,7 @@ def evaluate(client: Any, settings: Settings, sample: Sample, condition: Conditi
         "task": sample.task, "index": sample.index, "seed": sample.seed, "length": sample.length,
         "tokens": sample.tokens, "depth": sample.depth, "policy": condition.policy,
         "condition": condition.label, "params": dict(condition.params),
-        "ratio": condition.kept_ratio, "header": condition.header,
+        "ratio": condition.kept_ratio, "header": condition.header, "scope": condition.scope,
         "answers": [list(t.answers) for t in sample.turns],
     }
     start = time.perf_counter()
@@ -266,7 +281,7 @@ def evaluate(client: Any, settings: Settings, sample: Sample, condition: Conditi
     replies: list[Reply] = []
     try:
         for turn in sample.turns:
-            messages.append({"role": "user", "content": turn.user})
+            messages.extend(turn.messages(split=condition.scope == "context"))
             reply = ask(client, settings, messages, settings.max_tokens or sample.max_tokens,
                         condition.header)
             messages.append({"role": "assistant", "content": reply.text})

@@ -18,11 +18,25 @@ class Turn:
 
     ``scorer``: ``exact`` (the single digit key, all or nothing), ``prefix`` (the single digit key,
     partial credit by longest common prefix), ``recall`` (fraction of ``answers`` present).
+    ``question``: the end of ``user`` that asks (after the document), sent as a message of its own
+    when only the context is compressed (``vllm-kvcomp eval --scope context``).
     """
 
     user: str
     answers: tuple[str, ...]
     scorer: Scorer
+    question: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.question is not None and not self.user.endswith(self.question):
+            raise ValueError("a turn's question must be the end of its user message")
+
+    def messages(self, split: bool) -> list[dict[str, str]]:
+        """The turn as user messages: one, or (``split`` and a question) the context then the question."""
+        if not split or self.question is None:
+            return [{"role": "user", "content": self.user}]
+        context = self.user[: len(self.user) - len(self.question)].rstrip()
+        return [{"role": "user", "content": context}, {"role": "user", "content": self.question}]
 
 
 @dataclass(frozen=True)

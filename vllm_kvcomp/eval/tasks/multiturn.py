@@ -40,7 +40,7 @@ def make_multiturn(ctx: TaskContext, index: int, length: int) -> Sample:
         return (*fit_prompt(pool, start, needles, length, _render(first)), values)
 
     prompt, tokens, answers = draw_unique(attempt)
-    turns = (Turn(prompt, answers[:1], "exact"),
+    turns = (Turn(prompt, answers[:1], "exact", question=QUESTION.format(name=first)),
              Turn(QUESTION.format(name=second), answers[1:], "exact"))
     return Sample("multiturn", index, ctx.seed, length, tokens, turns,
                   TASKS["multiturn"].max_tokens)

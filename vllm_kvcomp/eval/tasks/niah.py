@@ -46,6 +46,11 @@ def _render(question: str) -> Callable[[str], str]:
     return lambda haystack: f"{INTRO}\n\n{haystack}\n\n{question}"
 
 
+def _question(prompt: str) -> str:
+    """The question that ends a rendered prompt (its last paragraph)."""
+    return prompt.rsplit("\n\n", 1)[1]
+
+
 def make_niah(ctx: TaskContext, index: int, length: int) -> Sample:
     rng = ctx.rng("niah", length, index)
     depth = ctx.depth(index)
@@ -59,7 +64,7 @@ def make_niah(ctx: TaskContext, index: int, length: int) -> Sample:
         return (*fit_prompt(pool, start, [needle], length, render), (value,))
 
     prompt, tokens, answers = draw_unique(attempt)
-    turn = Turn(prompt, answers, "exact")
+    turn = Turn(prompt, answers, "exact", question=_question(prompt))
     return Sample("niah", index, ctx.seed, length, tokens, (turn,), TASKS["niah"].max_tokens, depth)
 
 
@@ -78,7 +83,7 @@ def make_multi_niah(ctx: TaskContext, index: int, length: int) -> Sample:
         return (*fit_prompt(pool, start, needles, length, render), values)
 
     prompt, tokens, answers = draw_unique(attempt)
-    turn = Turn(prompt, answers, "recall")
+    turn = Turn(prompt, answers, "recall", question=_question(prompt))
     return Sample("multi_niah", index, ctx.seed, length, tokens, (turn,),
                   TASKS["multi_niah"].max_tokens)
 

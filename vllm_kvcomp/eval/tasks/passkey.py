@@ -39,7 +39,7 @@ def _make(name: str, digits: int, ctx: TaskContext, index: int, length: int) -> 
         return (*fit_prompt(pool, 0, [needle], length, _render), (key,))
 
     prompt, tokens, answers = draw_unique(attempt)
-    turn = Turn(prompt, answers, "exact" if digits <= 8 else "prefix")
+    turn = Turn(prompt, answers, "exact" if digits <= 8 else "prefix", question=QUESTION)
     return Sample(name, index, ctx.seed, length, tokens, (turn,), TASKS[name].max_tokens, depth)
 
 
