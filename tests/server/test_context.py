@@ -59,6 +59,21 @@ def test_a_chat_without_context_or_with_other_content_is_refused(counter):
         counter({"messages": [image, {"role": "user", "content": "what is it?"}]})
 
 
+def test_a_tokenizer_or_template_that_fails_on_the_chat_is_a_400_naming_scope(tmp_path):
+    """A template raising on this chat (roles must alternate) or a tokenizer that cannot load:
+    the client's request cannot be counted, a SpecError (HTTP 400), never a 500."""
+    strict = ContextCounter(str(fetch_default_model()),
+                            "{% for m in messages %}{% if loop.index0 % 2 == 0 and m.role != 'user' %}"
+                            "{{ raise_exception('roles must alternate') }}{% endif %}{{ m.content }}{% endfor %}")
+    body = {"messages": [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]}
+    with pytest.raises(SpecError, match="roles must alternate") as err:
+        strict(body)
+    assert err.value.field == "scope" and "context_tokens" in err.value.allowed
+    with pytest.raises(SpecError, match="could not count the context tokens") as err:
+        ContextCounter(str(tmp_path / "no-tokenizer-here"))(chat("What is the code?"))
+    assert err.value.field == "scope"
+
+
 def test_resolve_fills_context_tokens_on_chat_and_asks_for_them_elsewhere(counter):
     config = OperatorConfig.default()
     body = chat("What is the vault code?")

@@ -13,6 +13,7 @@ import pytest
 
 from vllm_kvcomp.bench import soak
 from vllm_kvcomp.bench.common import build_parser
+from vllm_kvcomp.bench.serving import feasible_ratios
 from vllm_kvcomp.eval.tasks.sizing import CharEstimateCounter
 from vllm_kvcomp.params import SpecError
 from vllm_kvcomp.policies.registry import (
@@ -365,8 +366,8 @@ def test_ratios_a_policy_refuses_on_the_model_are_not_drawn(tmp_path):
     model = ModelIdentity.from_model_dir(path)
     save_profile(RetrievalHeadsProfile(model=model, kv_heads=frozenset({(0, 1), (2, 0)})), model_dir=path)  # 2 of 6
     labels = ["none", "snapkv", "razor", "streamingllm"]
-    assert soak.feasible_ratios(path, labels, [0.125, 0.25, 0.5]) == {"razor": [0.5]}
-    assert soak.feasible_ratios(path, labels, [0.125, 0.25]) == {"razor": [0.34]}
+    assert feasible_ratios(path, labels, [0.125, 0.25, 0.5]) == {"razor": [0.5]}
+    assert feasible_ratios(path, labels, [0.125, 0.25]) == {"razor": [0.34]}
     source = soak.Drawer(0, labels, [0.125, 0.25, 0.5], (256, 4096), (16, 256), MAX_LEN, label_ratios={"razor": [0.5]})
     drawn = [d for d in (source.draw() for _ in range(400)) if d.malformed is None]
     assert {d.ratio for d in drawn if d.label == "razor"} == {0.5}

@@ -20,8 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_kvcomp.bench.common import module_main, write_report
-from vllm_kvcomp.bench.serving import MetricsSampler, header_for, prompts, served, stream_completion
-from vllm_kvcomp.models import MODEL_NAME
+from vllm_kvcomp.bench.serving import (
+    MetricsSampler,
+    feasible_ratios,
+    header_for,
+    prompts,
+    served,
+    stream_completion,
+)
+from vllm_kvcomp.models import MODEL_NAME, fetch_default_model
 from vllm_kvcomp.policies.registry import compressing_policy_names, policy_variants
 
 USAGE = "vllm:kv_cache_usage_perc"
@@ -50,12 +57,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def configs(args: argparse.Namespace) -> list[tuple[str, str | None]]:
-    """(label, header) of the full request and every policy variant asked for."""
+    """(label, header) of the full request and every policy variant asked for; a policy whose
+    profile refuses ``--ratio`` on this model (razor, duoattention: their retrieval heads alone
+    hold more) runs at the smallest ratio it accepts, named in its label."""
     names = tuple(args.policies.split(",")) if args.policies else compressing_policy_names()
+    model_dir = Path(args.model) if args.model else fetch_default_model()
+    feasible = feasible_ratios(model_dir, names, [args.ratio]) if model_dir.is_dir() else {}
+    floors = {name: ratios[0] for name, ratios in feasible.items()}
     out: list[tuple[str, str | None]] = [("full", None)]
     for label, policy, settings in policy_variants(names):
         extra = "; ".join(f"{k}={v}" for k, v in settings.items())
-        out.append((label, header_for(policy, args.ratio, extra)))
+        ratio = floors.get(policy, args.ratio) if not settings else args.ratio
+        out.append((label if ratio == args.ratio else f"{label} at {ratio:g}", header_for(policy, ratio, extra)))
     return out
 
 

@@ -17,12 +17,41 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 HEADER = "X-KV-Compression"
 STARTUP_S = 600
+
+
+def feasible_ratios(model_dir: Path, labels: Sequence[str], ratios: Sequence[float]) -> dict[str, list[float]]:
+    """Per policy in ``labels`` (other labels are skipped) that refuses some of ``ratios`` on this
+    model's server (razor: its retrieval heads alone hold more), the ones it accepts; the smallest
+    it accepts, rounded up to a hundredth, if none."""
+    from vllm_kvcomp.params import SpecError
+    from vllm_kvcomp.policies.registry import POLICY_NAMES, get_policy_class
+    from vllm_kvcomp.server.operator_config import OperatorConfig
+    from vllm_kvcomp.server.protocol import check_fit
+    from vllm_kvcomp.spec import CompressionSpec
+
+    config = OperatorConfig.for_server(None, str(model_dir))
+    out: dict[str, list[float]] = {}
+    for label in labels:
+        if label not in POLICY_NAMES or "ratio" not in get_policy_class(label).accepted_params():
+            continue
+
+        def accepted(ratio: float, label: str = label) -> bool:
+            try:
+                check_fit(config, config.resolve(CompressionSpec(policy=label, ratio=ratio)))
+            except SpecError:
+                return False
+            return True
+
+        kept = [r for r in ratios if accepted(r)]
+        if len(kept) < len(ratios):
+            out[label] = kept or [next(r / 100 for r in range(1, 101) if accepted(r / 100))]
+    return out
 
 
 @dataclass

@@ -64,15 +64,13 @@ from pathlib import Path
 from typing import Any
 
 from vllm_kvcomp.bench.common import module_main, write_report
-from vllm_kvcomp.bench.serving import HEADER, gauges, served
-from vllm_kvcomp.params import SpecError
+from vllm_kvcomp.bench.serving import HEADER, feasible_ratios, gauges, served
 from vllm_kvcomp.policies.registry import (
     NO_COMPRESSION_WORDS,
     POLICY_NAMES,
     get_policy_class,
     streaming_policy_names,
 )
-from vllm_kvcomp.spec import CompressionSpec
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 BLOCK_SIZE = 32  # what bench.serving.served runs
@@ -745,32 +743,6 @@ def usable_policies(model_dir: Path) -> tuple[str, ...]:
     from vllm_kvcomp.server.operator_config import OperatorConfig
 
     return OperatorConfig.for_server(None, str(model_dir)).usable_policies()
-
-
-def feasible_ratios(model_dir: Path, labels: Sequence[str], ratios: Sequence[float]) -> dict[str, list[float]]:
-    """Per policy that refuses some of ``ratios`` on this model's server (razor: its retrieval heads
-    alone hold more), the ones it accepts; the smallest it accepts, rounded up to a hundredth, if
-    none."""
-    from vllm_kvcomp.server.operator_config import OperatorConfig
-    from vllm_kvcomp.server.protocol import check_fit
-
-    config = OperatorConfig.for_server(None, str(model_dir))
-    out: dict[str, list[float]] = {}
-    for label in labels:
-        if label == NO_HEADER or "ratio" not in get_policy_class(label).accepted_params():
-            continue
-
-        def accepted(ratio: float, label: str = label) -> bool:
-            try:
-                check_fit(config, config.resolve(CompressionSpec(policy=label, ratio=ratio)))
-            except SpecError:
-                return False
-            return True
-
-        kept = [r for r in ratios if accepted(r)]
-        if len(kept) < len(ratios):
-            out[label] = kept or [next(r / 100 for r in range(1, 101) if accepted(r / 100))]
-    return out
 
 
 def policy_labels(wanted: str, usable: Sequence[str]) -> tuple[list[str], list[str]]:

@@ -31,13 +31,23 @@ class ContextCounter:
         users = [i for i, m in enumerate(messages) if m["role"] == "user"]
         if not users or users[-1] == 0:
             return 0
+        try:
+            return self._count(body, messages, users[-1])
+        except SpecError:
+            raise
+        except Exception as err:  # the tokenizer or template failed on this chat: the client's to fix
+            raise SpecError("scope", f"context: the server could not count the context tokens with the model's "
+                            f"tokenizer and chat template ({type(err).__name__}: {err})",
+                            "all, or context_tokens given by the client") from err
+
+    def _count(self, body: Mapping[str, Any], messages: list[dict[str, str]], last_user: int) -> int:
         tokenizer = self.tokenizer()
         kwargs = dict(body.get("chat_template_kwargs") or {})
         if self.chat_template is not None:
             kwargs["chat_template"] = self.chat_template
         generation = body.get("add_generation_prompt", True) and not body.get("continue_final_message", False)
         whole = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation, **kwargs)
-        before = tokenizer.apply_chat_template(messages[: users[-1]], tokenize=False, add_generation_prompt=False,
+        before = tokenizer.apply_chat_template(messages[:last_user], tokenize=False, add_generation_prompt=False,
                                                **kwargs)
         if not whole.startswith(before):
             raise SpecError("context_tokens", NOT_A_PREFIX,
