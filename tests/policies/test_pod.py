@@ -14,7 +14,7 @@ from vllm_kvcomp.calibration.profiles import (
 from vllm_kvcomp.params import SpecError
 from vllm_kvcomp.policies.base import LayerKV, RequestState
 from vllm_kvcomp.policies.compensation import attention_with_lse
-from vllm_kvcomp.policies.pod import POD, pod_gate, proximal_masks, split_attention
+from vllm_kvcomp.policies.pod import POD, pod_gate, proximal_masks, share_budget, split_attention
 from vllm_kvcomp.spec import CompressionSpec
 
 # ---------------------------------------------------------------------------- Appendix A.1
@@ -143,9 +143,20 @@ def test_gate_is_decided_per_kv_head_from_its_query_group():
     kv.keys[1, 30, 0] = 20.0
     kv.queries.zero_()
     kv.queries[:, :, 0] = 1.0
-    sel = POD(ratio=0.5, sink=4, window=8, tau=0.9).decide(layers, RequestState())[0]
-    assert sel.counts().tolist() == [12, 32]
-    assert 30 in sel.indices[1].tolist()
+    state = RequestState()
+    sel = POD(ratio=0.5, sink=4, window=8, tau=0.9).decide(layers, state)[0]
+    assert sel.counts().tolist() == [12, 32 + (32 - 12)]  # head 0's unused budget goes to head 1
+    assert 30 in sel.indices[1].tolist() and state.budget == 52
+
+
+def test_unused_budget_goes_to_the_heads_that_keep_distant_tokens():
+    """``ratio`` is the mean over every (layer, head): skipping heads keep their proximal tokens,
+    the rest share what they leave, the first in order one more where it does not divide."""
+    assert share_budget([False, True, False, False], 20, 12) == [23, 12, 23, 22]
+    assert share_budget([False] * 3, 20, 12) == [20] * 3
+    assert share_budget([True] * 2, 20, 12) == [12, 12]  # nobody to give it to
+    for skips in ([True, False], [True, True, False, False, True]):
+        assert sum(share_budget(skips, 37, 5)) == 37 * len(skips)
 
 
 def test_select_layer_and_sharded_groups_use_the_lowest_present_layer():

@@ -20,8 +20,10 @@ the gate g of eq. 4, and skip the distant part when g ≥ τ (§2.3). This modul
     every query head of its group (the paper skips the distant computation per decoding step;
     here the decision is taken once, after prefill, so ``tau`` defaults higher than its 0.7).
 
-Heads that skip keep fewer tokens than the budget; the budget is not redistributed.
-Without a profile (``groups is None``) every layer is its own group (own scores).
+``ratio`` is the mean kept fraction over every (layer, KV head): what the heads that skip do not
+use of the per-head budget B goes to the others, in equal shares (:func:`share_budget`), so the
+request holds B per head on average (issue #28; every rank of a tensor-parallel engine sees every
+head's gate). Without a profile (``groups is None``) every layer is its own group (own scores).
 """
 
 from __future__ import annotations
@@ -105,7 +107,8 @@ class POD(Policy):
 
     name: ClassVar[str] = "pod"
     KEEPS: ClassVar[str] = (
-        "per layer group, proximal (sink + recent) + distant tokens ranked by the group's lowest layer")
+        "per layer group, proximal (sink + recent) + distant tokens ranked by the group's lowest layer; "
+        "gated heads keep their proximal tokens, their unused budget goes to the other heads")
     PAPER: ClassVar[str] = "paper 004"
     TEST_PARAMS: ClassVar[Mapping[str, Any]] = {"ratio": 0.5, "sink": 4, "window": 8, "observe": 8}
     PROFILE: ClassVar[str | None] = "pod"
@@ -137,7 +140,7 @@ class POD(Policy):
         return int(self.observe)
 
     def mean_kept_bound(self, prompt_len: int, num_heads: int | None = None) -> int | None:
-        """Every head keeps at most the budget (gated heads keep only their proximal tokens)."""
+        """The heads keep the budget on average (gated heads' unused budget goes to the others)."""
         return min(prompt_len, self.kept_for(prompt_len))
 
     def layer_groups(self, num_layers: int) -> tuple[tuple[int, ...], ...]:
@@ -154,7 +157,7 @@ class POD(Policy):
         by_layer = {kv.layer: kv for kv in layers}
         if state.budget is None:
             state.budget = self.kept_for(max(int(kv.valid_lengths().max()) for kv in layers))
-        out: dict[int, Selection] = {}
+        scored: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (skip [H_kv], scores [H_kv, N])
         for group in self.layer_groups(layers[0].num_layers):
             present = [by_layer[i] for i in group if i in by_layer]
             if not present:
@@ -170,8 +173,43 @@ class POD(Policy):
             by_position = _scores_by_position(anchor, reduce_gqa(probs.mean(1), anchor.num_kv_heads))
             for kv in present:
                 logits = anchor_logits if kv is anchor else window_logits(kv)
-                out[kv.layer] = self._select_layer(kv, state, logits, lse_distant, by_position)
-        return [out[kv.layer] for kv in layers]
+                scored[kv.layer] = self._score_layer(kv, logits, lse_distant, by_position)
+        keeps = self._keeps(layers, [scored[kv.layer][0] for kv in layers], state)
+        sink, window = int(self.sink or 0), int(self.window or 0)
+        return [Selection(protected_topk(scored[kv.layer][1], keep, kv.valid_lengths(), sink, window),
+                          priority=scored[kv.layer][1]) for kv, keep in zip(layers, keeps)]
+
+    def _keeps(self, layers: Sequence[LayerKV], skips: list[torch.Tensor], state: RequestState) -> list[list[int]]:
+        """Per layer, each local KV head's kept count: a head that skips keeps its proximal tokens,
+        the budget it leaves goes to the heads that do not (over every rank's heads). The request's
+        ``budget`` becomes the largest count (what a head holds at most)."""
+        proximal = min(state.budget, int(self.sink or 0) + int(self.window or 0))
+        local = torch.stack(skips)  # [L, H_local]
+        gathered = state.ranks.gather(local)
+        offset = sum(g.shape[1] for g in gathered[: state.ranks.rank])
+        every = torch.cat(gathered, dim=1)  # [L, H_total]
+        shares = share_budget(every.flatten().tolist(), state.budget, proximal)
+        counts = torch.tensor(shares).view(every.shape)[:, offset : offset + local.shape[1]]
+        lengths = torch.stack([kv.valid_lengths() for kv in layers])
+        counts = torch.minimum(counts, lengths)
+        state.budget = int(torch.tensor(shares).max())
+        return counts.tolist()
+
+    def _score_layer(self, kv: LayerKV, logits: torch.Tensor, lse_distant: torch.Tensor,
+                     by_position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(skip [H_kv]: the head drops its distant tokens, scores [H_kv, N] by the group's anchor)."""
+        proximal, _ = self._split(kv)
+        group = _group_size(kv)
+        p_mask = proximal.repeat_interleave(group, 0).unsqueeze(1)
+        lse_proximal = logits.masked_fill(~p_mask, float("-inf")).logsumexp(-1)  # [H_q, w]
+        gate = pod_gate(lse_proximal, lse_distant).mean(1)  # [H_q]
+        skip = (gate >= self.tau).view(kv.num_kv_heads, group).all(1)  # [H_kv]
+        positions = kv.slot_positions()
+        scores = torch.full(positions.shape, float("-inf"))
+        valid = (positions >= 0) & (positions < by_position.shape[1])
+        rows = torch.arange(kv.num_kv_heads).unsqueeze(1).expand_as(positions)
+        scores[valid] = by_position[rows[valid], positions[valid]]
+        return skip, scores
 
     def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
         return self.select([kv], state)[0]
@@ -188,29 +226,22 @@ class POD(Policy):
         proximal = live & ((slots < start + sink) | (slots >= n - recent))
         return proximal, live & ~proximal
 
-    def _select_layer(
-        self,
-        kv: LayerKV,
-        state: RequestState,
-        logits: torch.Tensor,
-        lse_distant: torch.Tensor,
-        by_position: torch.Tensor,
-    ) -> Selection:
-        proximal, _ = self._split(kv)
-        group = _group_size(kv)
-        p_mask = proximal.repeat_interleave(group, 0).unsqueeze(1)
-        lse_proximal = logits.masked_fill(~p_mask, float("-inf")).logsumexp(-1)  # [H_q, w]
-        gate = pod_gate(lse_proximal, lse_distant).mean(1)  # [H_q]
-        skip = (gate >= self.tau).view(kv.num_kv_heads, group).all(1)  # [H_kv]
-        positions = kv.slot_positions()
-        scores = torch.full(positions.shape, float("-inf"))
-        valid = (positions >= 0) & (positions < by_position.shape[1])
-        rows = torch.arange(kv.num_kv_heads).unsqueeze(1).expand_as(positions)
-        scores[valid] = by_position[rows[valid], positions[valid]]
-        sink, window = int(self.sink or 0), int(self.window or 0)
-        keep = [min(state.budget, sink + window) if s else state.budget for s in skip.tolist()]
-        lengths = kv.valid_lengths()
-        return Selection(protected_topk(scores, keep, lengths, sink, window), priority=scores)
+
+def share_budget(skips: Sequence[bool], budget: int, proximal: int) -> list[int]:
+    """Kept count per head (flattened (layer, head) order) so that the mean is ``budget``: a
+    skipping head keeps ``proximal``; the others share the rest equally, the first ones in order
+    one more where it does not divide (all skip: every head keeps ``proximal``)."""
+    kept = len(skips) - sum(map(bool, skips))
+    spare = (budget - proximal) * (len(skips) - kept)
+    extra, rest = divmod(spare, kept) if kept else (0, 0)
+    out, seen = [], 0
+    for skip in skips:
+        if skip:
+            out.append(proximal)
+            continue
+        out.append(budget + extra + (1 if seen < rest else 0))
+        seen += 1
+    return out
 
 
 def _group_size(kv: LayerKV) -> int:
