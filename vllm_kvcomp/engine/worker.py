@@ -7,8 +7,9 @@ Per step: ``bind`` receives the scheduler's :class:`StepMetadata`; every attenti
 to attend the rows of compressed requests over their packed pages (one kernel call per layer);
 ``finish_step`` (from ``wait_for_save``, after the whole forward) moves the lifecycles on: a
 completed prompt is compressed when the next step binds, ``prefill=stream`` chunks and due decode
-recompressions right away. The platform only enters through the :class:`PagedCache` of the KV
-buffer.
+recompressions right away (after a step that verified speculative draft tokens, at the next
+bind, over the confirmed tokens). The platform only enters through the :class:`PagedCache` of
+the KV buffer.
 """
 
 from __future__ import annotations
