@@ -38,7 +38,7 @@ def test_speculation_with_a_draft_model_is_served_uncompressed_naming_what_works
     """Draft models keep their own KV in the request's blocks: refused (uncompressed, with the
     reason naming the methods that compress) — the server keeps serving. ngram / suffix compress
     (tests/engine/test_speculative.py), with synchronous scheduling only."""
-    config = SimpleNamespace(speculative_config={"method": method}, scheduler_config=SimpleNamespace(
+    config = SimpleNamespace(speculative_config=SimpleNamespace(method=method), scheduler_config=SimpleNamespace(
         async_scheduling=False), model_config=None)
     reason = unavailable_reason(config)
     assert reason is not None and repr(method) in reason and "'ngram' or 'suffix'" in reason

@@ -308,7 +308,7 @@ def test_engines_that_cannot_compress_and_beam_search_apply_none(stream):
     requests without the spec): the applied header says ``none`` from the first byte, streams too."""
     reply = sse_reply([{"id": "chatcmpl-1", "choices": []}, "[DONE]"], 10_000) if stream else None
     spec_engine = FakeEngine()
-    spec_engine.vllm_config = SimpleNamespace(speculative_config={"method": "eagle"})  # a draft model
+    spec_engine.vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(method="eagle"))  # a draft model
     response = make(Stub(reply), engine=spec_engine).post(CHAT, json=BASE, headers={HEADER: "snapkv; ratio=0.3"})
     assert response.status_code == 200 and response.headers[APPLIED] == "none"
     beam = {**BASE, "use_beam_search": True, "n": 2}

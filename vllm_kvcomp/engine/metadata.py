@@ -36,6 +36,12 @@ class ScheduledRequest:
     copy_on_compress: bool = False
     spares: list[int] = field(default_factory=list)
 
+    @property
+    def draft_tokens(self) -> int:
+        """Speculative draft tokens this step verifies (a decode step's tokens after the first;
+        the sampler may reject them)."""
+        return self.num_scheduled - 1 if self.num_computed >= self.prompt_len else 0
+
 
 @dataclass
 class StepMetadata(KVConnectorMetadata):

@@ -16,15 +16,11 @@ from typing import Any
 TARGET_ONLY_SPECULATION = ("ngram", "suffix")
 
 
-def _field(config: Any, name: str) -> Any:
-    return config.get(name) if isinstance(config, dict) else getattr(config, name, None)
-
-
 def unavailable_reason(vllm_config: Any) -> str | None:
     """The reason compression cannot run on this engine, or None."""
     speculative = getattr(vllm_config, "speculative_config", None)
     if speculative is not None:
-        method = _field(speculative, "method")
+        method = getattr(speculative, "method", None)
         if method not in TARGET_ONLY_SPECULATION:
             return (f"speculative decoding with method {method!r} runs a draft model over the request's KV "
                     f"blocks, which vllm-kvcomp does not compress; compressed requests work with "

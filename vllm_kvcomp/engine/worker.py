@@ -152,16 +152,12 @@ class KVCompWorker:
             # The prompt-end compression runs here, before this step's forward, not after the
             # forward that completed the prompt: the first token leaves first (TTFT), and the
             # next token attends the compressed cache exactly as it would have.
-            # after a speculative step only the confirmed tokens count (r.num_computed): the
-            # rejected drafts' keys are overwritten by this step, their queries leave the windows
+            # After a speculative step only the confirmed tokens count (r.num_computed): the
+            # rejected drafts' keys are overwritten by this step (and _compress drops their queries).
             if life.compression_pending and not self._waits_for_spares(state, r):
                 end = min(life.prompt_end, r.num_computed)  # postponed while decoding speculatively
-                for window in state.windows:
-                    window.truncate(end)
                 self._compress(r.req_id, state, r, end, decode=False)
             elif life.deferred_check():
-                for window in state.windows:
-                    window.truncate(r.num_computed)
                 self._recompress_if_due(r.req_id, state, r, r.num_computed)
 
     def _new_state(self, r: ScheduledRequest) -> CompressedRequest:
@@ -219,10 +215,8 @@ class KVCompWorker:
         for row in rows:
             window = self.requests[row.req_id].windows[layer]
             if window.size:
-                sched, n = self.step[row.req_id], row.hi - row.lo
-                start = sched.num_computed
-                drafts = n - 1 if start >= sched.prompt_len else 0  # decode: speculative draft tokens
-                window.push(query[row.lo : row.hi], start, drafts)
+                sched = self.step[row.req_id]
+                window.push(query[row.lo : row.hi], sched.num_computed, sched.draft_tokens)
         if self._batch is None:
             self._batch = self._paged_batch([r for r in rows if self.requests[r.req_id].compressed])
         batch = self._batch
@@ -299,7 +293,7 @@ class KVCompWorker:
                     if policy.stream_due(state.policy_state, live):
                         self._compress(rid, state, sched, end, decode=False)
                 continue
-            drafts = sched.num_scheduled > 1  # speculative decoding: some may be rejected
+            drafts = sched.draft_tokens > 0  # speculative decoding: the sampler may reject some
             life.decoded(drafts=drafts and policy.recompresses)
             if not drafts:
                 self._recompress_if_due(rid, state, sched, end, live)
@@ -363,6 +357,8 @@ class KVCompWorker:
         spares) when copy-on-compress got too few spares: the policy state is rolled back and the
         scheduler told how many to send."""
         started = time.perf_counter()
+        for window in state.windows:  # queries of rolled-back draft tokens (a no-op otherwise)
+            window.truncate(end)
         copies = self._copies(state, sched)
         snapshot = copy.deepcopy(state.policy_state) if copies else None
         block_ids = torch.tensor(sched.block_ids, dtype=torch.long)

@@ -188,12 +188,10 @@ class POD(Policy):
         gathered = state.ranks.gather(local)
         offset = sum(g.shape[1] for g in gathered[: state.ranks.rank])
         every = torch.cat(gathered, dim=1)  # [L, H_total]
-        shares = share_budget(every.flatten().tolist(), state.budget, proximal)
-        counts = torch.tensor(shares).view(every.shape)[:, offset : offset + local.shape[1]]
+        shares = torch.tensor(share_budget(every.flatten().tolist(), state.budget, proximal)).view(every.shape)
         lengths = torch.stack([kv.valid_lengths() for kv in layers])
-        counts = torch.minimum(counts, lengths)
-        state.budget = int(torch.tensor(shares).max())
-        return counts.tolist()
+        state.budget = int(shares.max())
+        return torch.minimum(shares[:, offset : offset + local.shape[1]], lengths).tolist()
 
     def _score_layer(self, kv: LayerKV, logits: torch.Tensor, lse_distant: torch.Tensor,
                      by_position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
