@@ -259,12 +259,13 @@ def paged_requests(a: argparse.Namespace, n: int, batch: int, gen: torch.Generat
 
 
 def kept_tables(reqs: PagedRequests, kept: float, n: int, bs: int, gen: torch.Generator) -> tuple[torch.Tensor, int]:
-    """[B * H_kv, m] page tables of every head's ``m = ceil(kept * n / bs)`` packed pages (a random
-    subset of its own pages, in random order: packed pages sit anywhere) and the kept length m * bs."""
+    """[B * H_kv, m] int32 page tables (as the engine builds them) of every head's
+    ``m = ceil(kept * n / bs)`` packed pages (a random subset of its own pages, in random order:
+    packed pages sit anywhere) and the kept length m * bs."""
     b, hk, per = reqs.pages.shape
     m = max(1, -(-round(kept * n) // bs))
     order = torch.rand(b, hk, per, generator=gen, device=reqs.pages.device).argsort(-1)[..., :m]
-    return reqs.pages.gather(-1, order).view(b * hk, m), m * bs
+    return reqs.pages.gather(-1, order).view(b * hk, m).to(torch.int32), m * bs
 
 
 def bench_pages(a: argparse.Namespace, n: int, batch: int, measure: Measure, copy_gbps: float) -> list[Row]:

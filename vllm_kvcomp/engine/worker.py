@@ -56,9 +56,9 @@ class Row:
 class PagedBatch:
     """This step's virtual sequences of compressed rows, sequence s = (row, head) in row order."""
 
-    tables: torch.Tensor  # [L, S, W] page ids
-    lengths: torch.Tensor  # [L, S]
-    query_start: torch.Tensor  # [S + 1] query rows of each sequence in the gathered queries
+    tables: torch.Tensor  # [L, S, W] int32 page ids
+    lengths: torch.Tensor  # [L, S] int32
+    query_start: torch.Tensor  # [S + 1] int32 query rows of each sequence in the gathered queries
     gather: torch.Tensor  # [T_seq] index into query.view(-1, G, D) (token * H_kv + head)
     requests: list[CompressedRequest]
     compensation: list[SequenceCompensation | None]  # per layer; None: no sequence has a token
@@ -229,7 +229,8 @@ class KVCompWorker:
 
     def _paged_batch(self, rows: list[Row]) -> PagedBatch:
         """Page tables, query layout and compensation tokens of this step's compressed rows
-        (built once per step, on the host, so that the layers read nothing back)."""
+        (built once per step, on the host, so that the layers read nothing back; the index
+        tensors in the kernels' int32, so that no layer converts them)."""
         heads = self.num_kv_heads
         tables, lengths, counts, gather, requests = [], [], [], [], []
         for row in rows:
@@ -247,9 +248,9 @@ class KVCompWorker:
         empty = torch.zeros(self.num_layers, 0, dtype=torch.long)
         all_lengths = torch.cat(lengths, dim=1) if lengths else empty  # [L, S]
         return PagedBatch(
-            tables=(torch.cat(padded, dim=1) if padded else empty.unsqueeze(-1)).to(device),
-            lengths=all_lengths.to(device),
-            query_start=torch.cumsum(torch.tensor([0, *counts]), 0).to(device),
+            tables=(torch.cat(padded, dim=1) if padded else empty.unsqueeze(-1)).to(device, torch.int32),
+            lengths=all_lengths.to(device, torch.int32),
+            query_start=torch.cumsum(torch.tensor([0, *counts]), 0).to(device, torch.int32),
             gather=(torch.cat(gather) if gather else torch.zeros(0, dtype=torch.long)).to(device),
             requests=requests,
             compensation=self._compensation(requests, counts, all_lengths),

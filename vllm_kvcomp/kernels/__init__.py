@@ -103,7 +103,9 @@ def decode_attention(
     start_bh = head_starts(start, batch, hk, q.device)
     bt, sl = _i32(block_table), _i32(seq_lens)
     plain = not softcap and sinks is None
-    which = resolve_backend("decode_attention", q.device, backend, plain and _cuda_supports(q, kv_cache))
+    # the extension's case check only where it is asked for (host time of every decode call)
+    which = resolve_backend("decode_attention", q.device, backend,
+                            backend != "cuda" or (plain and _cuda_supports(q, kv_cache)))
     if which == "torch":
         out, lse = decode_reference(q, kv_cache, bt, sl, start_bh, compensation, scale, softcap, sinks)
         return out, lse.float()
@@ -170,8 +172,12 @@ def _default_splits(device: torch.device, programs: int) -> int:
     """Key splits so that about two waves of programs cover the GPU (fixed per batch shape)."""
     if device.type != "cuda":
         return 4
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(64, -(-2 * sms // max(programs, 1))))
+    return max(1, min(64, -(-2 * _multiprocessors(device) // max(programs, 1))))
+
+
+@functools.lru_cache(maxsize=16)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 __all__ = ["BACKENDS", "cuda_extension_available", "decode_attention", "resolve_backend"]

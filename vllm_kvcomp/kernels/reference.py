@@ -11,6 +11,8 @@ into the token axis, so GQA never repeats keys.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from vllm_kvcomp.policies.compensation import (
@@ -31,9 +33,20 @@ def head_starts(
     None, an int and [B] give a broadcast (stride-0) view; no copy is made.
     """
     if start is None or isinstance(start, int):
-        return torch.full((1, 1), start or 0, dtype=torch.int32, device=device).expand(batch, heads)
+        device = torch.device(device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # a graph's memory is its own pool: no tensor made during a capture is cached
+            return torch.full((1, 1), start or 0, dtype=torch.int32, device=device).expand(batch, heads)
+        return _constant_start(start or 0, device).expand(batch, heads)
     start = start if start.dtype == torch.int32 else start.to(torch.int32)
     return start.unsqueeze(1).expand(batch, heads) if start.dim() == 1 else start
+
+
+@functools.lru_cache(maxsize=64)
+def _constant_start(value: int, device: torch.device) -> torch.Tensor:
+    """A [1, 1] int32 ``value`` on ``device``, made once (a launch saved per decode call on a GPU;
+    read-only: callers expand it)."""
+    return torch.full((1, 1), value, dtype=torch.int32, device=device)
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
