@@ -1,4 +1,4 @@
-"""Scoring: exact keys, partial 64-digit keys (prefix / digit accuracy), recall, multi-turn."""
+"""Scoring: exact keys, partial 64-digit keys (prefix / digit accuracy), recall, words, multi-turn."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from vllm_kvcomp.eval.scoring import (
     score_key,
     score_recall,
     score_sample,
+    score_turn,
+    score_words,
 )
 from vllm_kvcomp.eval.tasks.base import Sample, Turn
 
@@ -56,6 +58,26 @@ def test_recall_counts_whole_numbers_only() -> None:
     s = score_recall("a: 1234567; b: 7654321; c: 11111112", answers)
     assert s.score == 0.5 and not s.exact
     assert score_recall(" ".join(answers), answers).exact
+
+
+def test_words_recall_counts_whole_words_in_any_case() -> None:
+    answers = ("apple", "tiger", "QZEOA", "violin")
+    assert score_words("apple, tiger, QZEOA and violin", answers).score == 1.0
+    assert score_words("apple, tiger, QZEOA and violin", answers).exact
+    half = score_words("1. apple 2. tiger 3. pear", answers)
+    assert half.score == 0.5 and not half.exact
+    assert score_words("Apple TIGER qzeoa Violin.", answers).exact
+    embedded = score_words("pineapples, tigers, XQZEOA, violinist", answers)
+    assert embedded.score == 0.0
+    assert score_words("apple_tiger", answers).score == 0.0
+    assert score_words("'apple' (tiger) QZEOA; violin", answers).exact
+    assert score_words("", answers).score == 0.0
+
+
+def test_words_turns_are_scored_as_words_and_number_turns_as_numbers() -> None:
+    assert score_turn(Turn("q", ("cat", "dog"), "words"), "The CAT.").score == 0.5
+    assert score_turn(Turn("q", ("cat", "dog"), "words"), "category, dogma").score == 0.0
+    assert score_turn(Turn("q", ("1234567",), "recall"), "12345678").score == 0.0
 
 
 def _sample(turns: tuple[Turn, ...]) -> Sample:

@@ -10,6 +10,8 @@ spaces or commas between digits are dropped (``"123 456,789"`` -> ``"123456789"`
   ``digit_acc`` (reported beside it) is the best run's fraction of positions ``i`` with
   ``run[i] == key[i]``, over the key's length, so one dropped digit costs every later position.
 - ``recall``: the fraction of answers found in the reply as numbers not embedded in longer ones.
+- ``words`` (RULER's ``vt``, ``cwe``, ``fwe``; its ``string_match_all``): the fraction of answers
+  found in the reply as whole words, in any case (``"cat"`` is not found in ``"catalog"``).
 
 A sample's score is the mean over its turns; it is exact when every turn is exact.
 """
@@ -71,9 +73,18 @@ def score_recall(reply: str, answers: Sequence[str]) -> Score:
     return Score(found / len(answers), found == len(answers))
 
 
+def score_words(reply: str, answers: Sequence[str]) -> Score:
+    """Fraction of ``answers`` present in ``reply`` as whole words, case-insensitive."""
+    found = sum(bool(re.search(rf"(?<!\w){re.escape(a)}(?!\w)", reply, re.IGNORECASE))
+                for a in answers)
+    return Score(found / len(answers), found == len(answers))
+
+
 def score_turn(turn: Turn, reply: str) -> Score:
     if turn.scorer == "recall":
         return score_recall(reply, turn.answers)
+    if turn.scorer == "words":
+        return score_words(reply, turn.answers)
     return score_key(reply, turn.answers[0], partial=turn.scorer == "prefix")
 
 

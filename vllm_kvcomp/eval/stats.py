@@ -2,7 +2,8 @@
 
 Every cell's score is a mean of per-sample scores in [0, 1]. For exact-match tasks these are
 Bernoulli draws and :func:`wilson` is the Wilson score interval. For partial-credit scores
-(``passkey64`` prefix, ``multi_niah`` recall, the mean of two ``multiturn`` turns) the same
+(``passkey64`` prefix, ``multi_niah`` recall, ``vt`` / ``cwe`` / ``fwe`` word recall, the mean of two
+``multiturn`` turns) the same
 formula is conservative: a variable in [0, 1] with mean p has variance at most p(1 - p), the
 Bernoulli variance the interval assumes.
 """

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from vllm_kvcomp.eval.tasks import multiturn, niah, passkey
+from vllm_kvcomp.eval.tasks import multiturn, niah, passkey, ruler
 from vllm_kvcomp.eval.tasks.base import Sample, TaskContext, TaskInfo, Turn
 
-TASKS: dict[str, TaskInfo] = {**passkey.TASKS, **niah.TASKS, **multiturn.TASKS}
+TASKS: dict[str, TaskInfo] = {**passkey.TASKS, **niah.TASKS, **multiturn.TASKS, **ruler.TASKS}
 
 __all__ = ["TASKS", "Sample", "TaskContext", "TaskInfo", "Turn", "generate", "plan"]
 

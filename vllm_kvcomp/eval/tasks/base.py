@@ -9,7 +9,7 @@ from typing import Literal
 
 from vllm_kvcomp.eval.tasks.sizing import SentencePool, TokenCounter
 
-Scorer = Literal["exact", "prefix", "recall"]
+Scorer = Literal["exact", "prefix", "recall", "words"]
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,8 @@ class Turn:
     """One user message and what a correct reply must contain.
 
     ``scorer``: ``exact`` (the single digit key, all or nothing), ``prefix`` (the single digit key,
-    partial credit by longest common prefix), ``recall`` (fraction of ``answers`` present).
+    partial credit by longest common prefix), ``recall`` (fraction of ``answers`` present as
+    numbers), ``words`` (fraction of ``answers`` present as whole words, any case).
     ``question``: the end of ``user`` that asks (after the document), sent as a message of its own
     when only the context is compressed (``vllm-kvcomp eval --scope context``).
     """
