@@ -23,8 +23,7 @@ class QueryWindow:
 
     size: int
     limit: int | None = None
-    _queries: torch.Tensor | None = None  # [size + drafts, H_q, D]
-    _positions: torch.Tensor | None = None  # [size + drafts], consecutive
+    _queries: torch.Tensor | None = None  # [size + drafts, H_q, D], positions end - held .. end - 1
     end: int = 0  # one past the last held position
 
     @property
@@ -33,7 +32,11 @@ class QueryWindow:
 
     @property
     def positions(self) -> torch.Tensor | None:
-        return None if self._positions is None else self._positions[-self.size :]
+        """[w] int64 positions of :attr:`queries` (consecutive, ending at ``end``; made on read)."""
+        if self._queries is None:
+            return None
+        held = min(self.size, self._queries.shape[0])
+        return torch.arange(self.end - held, self.end)
 
     def push(self, queries: torch.Tensor, start: int, drafts: int = 0) -> None:
         """Append queries [n, H_q, D] of positions ``start..start+n-1``, the last ``drafts`` of
@@ -49,13 +52,14 @@ class QueryWindow:
             n = min(n, self.limit - start)
             queries = queries[:n]
         if self._queries is not None and start != self.end:  # not consecutive: start over
-            self._queries = self._positions = None
-        positions = torch.arange(start, start + n)
-        if self._queries is not None:
-            queries = torch.cat([self._queries, queries])
-            positions = torch.cat([self._positions, positions])
+            self._queries = None
         keep = self.size + drafts
-        self._queries, self._positions, self.end = queries[-keep:].clone(), positions[-keep:].clone(), start + n
+        queries = queries[-keep:]  # a view of vLLM's buffer
+        if self._queries is not None:
+            queries = torch.cat([self._queries, queries])[-keep:]  # a new tensor of ours (<= 2 keep rows)
+        else:
+            queries = queries.clone()
+        self._queries, self.end = queries, start + n
 
     def truncate(self, end: int) -> None:
         """Forget the queries of positions ``>= end`` (tokens the engine rolled back)."""
@@ -63,10 +67,7 @@ class QueryWindow:
             return
         held = self._queries.shape[0] - (self.end - end)
         self.end = end
-        if held <= 0:
-            self._queries = self._positions = None
-        else:
-            self._queries, self._positions = self._queries[:held], self._positions[:held]
+        self._queries = self._queries[:held] if held > 0 else None
 
 
 @dataclass
@@ -85,3 +86,9 @@ class CompressedRequest:
     def compressed(self) -> bool:
         """Whether the request's heads read packed pages (its attention is ours, not vLLM's)."""
         return self.pages.compressed
+
+    @property
+    def reads_queries(self) -> bool:
+        """Whether a query captured now may still be read: until the first compression, and after
+        it only by a policy that recompresses (the others' windows are never read again)."""
+        return not self.pages.compressed or self.policy.recompresses

@@ -59,9 +59,18 @@ class PagedBatch:
     tables: torch.Tensor  # [L, S, W] int32 page ids
     lengths: torch.Tensor  # [L, S] int32
     query_start: torch.Tensor  # [S + 1] int32 query rows of each sequence in the gathered queries
-    gather: torch.Tensor  # [T_seq] index into query.view(-1, G, D) (token * H_kv + head)
+    gather: torch.Tensor | slice  # [T_seq] index into query.view(-1, G, D) (token * H_kv + head),
+    # or the slice it equals when contiguous (one query per row, adjacent rows: a view, no copy)
     requests: list[CompressedRequest]
     compensation: list[SequenceCompensation | None]  # per layer; None: no sequence has a token
+
+
+def _as_slice(index: torch.Tensor, device: torch.device) -> torch.Tensor | slice:
+    """``index`` (host, int64) as the slice it equals when consecutive, else on ``device``."""
+    n = index.numel()
+    if n and int(index[-1]) - int(index[0]) == n - 1 and bool((index.diff() == 1).all()):
+        return slice(int(index[0]), int(index[0]) + n)
+    return index.to(device)
 
 
 class KVCompWorker:
@@ -213,8 +222,9 @@ class KVCompWorker:
             return
         rows = self.tracked_rows(query_start_loc, slot_mapping)
         for row in rows:
-            window = self.requests[row.req_id].windows[layer]
-            if window.size:
+            state = self.requests[row.req_id]
+            window = state.windows[layer]
+            if window.size and state.reads_queries:
                 sched = self.step[row.req_id]
                 window.push(query[row.lo : row.hi], sched.num_computed, sched.draft_tokens)
         if self._batch is None:
@@ -225,7 +235,10 @@ class KVCompWorker:
             flat_q, flat_out = query.reshape(-1, group, query.shape[2]), output.view(-1, group, output.shape[2])
             out = self.cache.attend(flat_q[batch.gather], batch.tables[layer], batch.lengths[layer],
                                     batch.query_start, self.variants[layer], batch.compensation[layer])
-            flat_out[batch.gather] = out.to(output.dtype)
+            if isinstance(batch.gather, slice):
+                flat_out[batch.gather].copy_(out)
+            else:
+                flat_out[batch.gather] = out.to(output.dtype)
 
     def _paged_batch(self, rows: list[Row]) -> PagedBatch:
         """Page tables, query layout and compensation tokens of this step's compressed rows
@@ -251,7 +264,7 @@ class KVCompWorker:
             tables=(torch.cat(padded, dim=1) if padded else empty.unsqueeze(-1)).to(device, torch.int32),
             lengths=all_lengths.to(device, torch.int32),
             query_start=torch.cumsum(torch.tensor([0, *counts]), 0).to(device, torch.int32),
-            gather=(torch.cat(gather) if gather else torch.zeros(0, dtype=torch.long)).to(device),
+            gather=_as_slice(torch.cat(gather) if gather else torch.zeros(0, dtype=torch.long), device),
             requests=requests,
             compensation=self._compensation(requests, counts, all_lengths),
         )
