@@ -85,3 +85,23 @@ def test_illegal_transitions_raise(setup, transition):
     with pytest.raises(IllegalTransition):
         transition(life)
     assert (life.phase, life.prompt_end, life.steps_since) == before
+
+
+@pytest.mark.parametrize("name", ["snapkv", "tova", "h2o", "expected_attention"])
+def test_window_queries_are_captured_only_while_some_compression_can_read_them(name):
+    """Until the first compression every policy's window fills; after it only a policy that
+    recompresses during decode reads queries again (the others' capture would be wasted work
+    in every layer of every decode step)."""
+    from vllm_kvcomp.engine.pages import PageGeometry, RequestPages
+    from vllm_kvcomp.engine.state import CompressedRequest
+    from vllm_kvcomp.spec import CompressionSpec
+
+    spec = CompressionSpec.from_mapping({"policy": name, "ratio": 0.25})
+    policy = spec.build_policy()
+    pages = RequestPages(PageGeometry(1, 2, 16, torch.zeros(1, dtype=torch.long)))
+    state = CompressedRequest(spec=spec, policy=policy, pages=pages)
+    assert state.reads_queries
+    pages.kept_positions = [[torch.arange(4), torch.arange(4)]]  # what a compaction leaves
+    assert state.reads_queries == policy.RECOMPRESSES
+    context = CompressionSpec.from_mapping({"policy": name, "ratio": 0.25, "scope": "context"})
+    assert not CompressedRequest(spec=context, policy=context.build_policy(), pages=pages).reads_queries
