@@ -8,7 +8,7 @@ from vllm_kvcomp.bench import pages
 
 
 def test_limit_table_puts_each_config_next_to_full_at_its_kept_length():
-    args = argparse.Namespace(streams=4, decode_tokens=96)
+    args = argparse.Namespace(streams=4, decode_tokens=96, limit_repeats=1)
     full = {n: pages.Held(blocks=64.0, decode_tps=tps, kept_fraction=1.0) for n, tps in ((2048, 40.0), (8000, 20.0))}
     results = {("full", n): held for n, held in full.items()}
     results[("snapkv", 0.25, 2048)] = pages.Limit(2048, pages.Held(18.0, 50.0, 0.26), 532, pages.Held(18.0, 62.5, 1.0))
@@ -20,3 +20,6 @@ def test_limit_table_puts_each_config_next_to_full_at_its_kept_length():
         "| snapkv | 0.25 | 8000 | 0.250 | 30.0 | 40.0 (2000 tokens) | 0.75x | 20.0 | 1.50x |",
     ]
     assert results[("snapkv", 0.25, 2048)].share == 50.0 / 62.5
+    assert "best of" not in lines[0]
+    assert "best of 2 runs" in pages._limit_table(argparse.Namespace(streams=4, decode_tokens=96, limit_repeats=2),
+                                                  [], results)[0]

@@ -70,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma list of held, admit, membound, limit")
     parser.add_argument("--limit-lengths", default="2048,8000",
                         help="limit: prompt lengths (the bundled model has 8192 positions)")
+    parser.add_argument("--limit-repeats", type=int, default=1,
+                        help="limit: pairs (compressed, its limit) per config on new prompts; each side's best "
+                             "counts (a shared machine's noise is ±10%% per run)")
     parser.add_argument("--policies", default=",".join(c[0] for c in configs()), help="config labels to run")
     parser.add_argument("--ratios", default="0.5,0.25,0.125")
     parser.add_argument("--prompt-len", type=int, default=2048)
@@ -148,6 +151,10 @@ class Limit:
         return self.compressed.decode_tps / self.limit.decode_tps
 
 
+def _tps(held: Held) -> float:
+    return held.decode_tps
+
+
 def _phase_limit(args, configs) -> dict:
     """Each config at each ``--limit-lengths`` prompt length, then full cache with a prompt of the
     kept length (``kept_fraction`` x length, as reported), side by side in one server; full at
@@ -162,13 +169,21 @@ def _phase_limit(args, configs) -> dict:
             out[("full", n)] = asyncio.run(_held_one(url, args, None, seed=6 + n, prompt_len=n))
         for i, (label, policy, extra, ratio) in enumerate(configs):
             for n in lengths:
-                seed = 100_000 + 1000 * i + n
-                compressed = asyncio.run(_held_one(url, args, header_for(policy, ratio, extra), seed, n))
-                kept = max(1, round(compressed.kept_fraction * n))
-                limit = asyncio.run(_held_one(url, args, None, seed + 500_000, kept))
-                out[(label, ratio, n)] = Limit(n, compressed, kept, limit)
-                print(f"limit {label:16s} {ratio:<6g} {n:>5}: {compressed.decode_tps:.1f} tok/s vs "
-                      f"{limit.decode_tps:.1f} at {kept} tokens ({out[(label, ratio, n)].share:.2f})", flush=True)
+                best: Limit | None = None
+                for repeat in range(args.limit_repeats):  # pairs on new prompts; the best of each side
+                    seed = 100_000 + 1000 * i + n + 100 * repeat
+                    compressed = asyncio.run(_held_one(url, args, header_for(policy, ratio, extra), seed, n))
+                    kept = max(1, round(compressed.kept_fraction * n))
+                    limit = asyncio.run(_held_one(url, args, None, seed + 500_000, kept))
+                    print(f"limit {label:16s} {ratio:<6g} {n:>5}: {compressed.decode_tps:.1f} tok/s vs "
+                          f"{limit.decode_tps:.1f} at {kept} tokens ({compressed.decode_tps / limit.decode_tps:.2f})",
+                          flush=True)
+                    if best is None:
+                        best = Limit(n, compressed, kept, limit)
+                    else:
+                        best = Limit(n, max(best.compressed, compressed, key=_tps), max(best.limit_len, kept),
+                                     max(best.limit, limit, key=_tps))
+                out[(label, ratio, n)] = best
     return out
 
 
@@ -281,7 +296,8 @@ def _report(args, configs, results) -> str:
 
 def _limit_table(args, configs, limit: dict) -> list[str]:
     """Compressed decode next to its physical limit (full cache holding the kept length)."""
-    lines = [f"Decode at the physical limit ({args.streams} streams x {args.decode_tokens} output tokens): each "
+    best = f", best of {args.limit_repeats} runs on new prompts per side" if args.limit_repeats > 1 else ""
+    lines = [f"Decode at the physical limit ({args.streams} streams x {args.decode_tokens} output tokens{best}): each "
              "compressed config next to full cache with a prompt as long as what it keeps (the same kernel "
              "reading the same bytes), and full cache at the whole length.", "",
              "| policy | ratio | prompt | kept_fraction | decode tok/s | limit: full at the kept length | "
