@@ -23,3 +23,12 @@ def test_limit_table_puts_each_config_next_to_full_at_its_kept_length():
     assert "best of" not in lines[0]
     assert "best of 2 runs" in pages._limit_table(argparse.Namespace(streams=4, decode_tokens=96, limit_repeats=2),
                                                   [], results)[0]
+
+
+def test_decode_window_starts_after_the_prompt_end_compression():
+    """The step after the first token runs the prompt-end compression: decode is timed from the
+    second token on (the same rule for the uncompressed limit)."""
+    from vllm_kvcomp.bench.serving import Stream
+
+    assert Stream(sent=0.0, token_times=[1.0, 1.9, 2.0]).decoding == 1.9
+    assert Stream(sent=0.0, token_times=[1.0]).decoding == 1.0

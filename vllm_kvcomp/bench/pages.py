@@ -4,7 +4,8 @@ Every number comes from a running ``vllm-kvcomp serve`` of the bundled model (or
 with full cache and every policy x ratio side by side in one run (2K-token random prompts,
 block size 32):
 
-- ``held``: a pool that fits everything; 4 concurrent streams per config. While all 4 decode,
+- ``held``: a pool that fits everything; 4 concurrent streams per config. While all 4 decode
+  (from the last stream's second token: its prompt-end compression is done, see ``Stream.decoding``),
   ``/metrics`` is sampled: KV blocks held per request (``vllm:kv_cache_usage_perc`` x pool / 4,
   vLLM's own gauge, the same for full and compressed) and the aggregate decode tokens/s (tokens
   that arrived in that window / its length); ``usage.kv_compression.kept_fraction`` too. Full
@@ -124,7 +125,7 @@ async def _streams(url: str, args, header: str | None, count: int, tokens: int, 
 async def _held_one(url: str, args, header: str | None, seed: int, prompt_len: int | None = None) -> Held:
     async with MetricsSampler(url, (USAGE,)) as sampler:
         streams = await _streams(url, args, header, args.streams, args.decode_tokens, seed, prompt_len)
-    start, end = max(s.first for s in streams), min(s.last for s in streams)
+    start, end = max(s.decoding for s in streams), min(s.last for s in streams)  # all streams decode
     tokens = sum(1 for s in streams for t in s.token_times if start < t <= end)
     usage = sampler.values(USAGE, start, end)
     fractions = [s.usage.get("kv_compression", {}).get("kept_fraction", 1.0) for s in streams if s.usage]

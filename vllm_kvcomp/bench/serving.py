@@ -71,6 +71,13 @@ class Stream:
     def last(self) -> float:
         return self.token_times[-1]
 
+    @property
+    def decoding(self) -> float:
+        """When steady decode begins: the second token's arrival (the prompt-end compression runs
+        at the start of the step that makes it, so a window from here times decode alone, for
+        compressed and uncompressed requests alike); the first for a one-token stream."""
+        return self.token_times[min(1, len(self.token_times) - 1)]
+
 
 def free_port() -> int:
     with socket.socket() as sock:
