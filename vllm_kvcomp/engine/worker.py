@@ -3,8 +3,9 @@
 Each request's state moves through :mod:`~vllm_kvcomp.engine.lifecycle` (the diagram is there).
 
 Per step: ``bind`` receives the scheduler's :class:`StepMetadata`; every attention layer calls
-:meth:`KVCompWorker.after_attention` (from the backend subclass) to capture window queries and
-to attend the rows of compressed requests over their packed pages (one kernel call per layer);
+:meth:`KVCompWorker.after_attention` (from the backend subclass) to capture window queries (while
+a compression can still read them: until the first, or for policies that recompress) and to
+attend the rows of compressed requests over their packed pages (one kernel call per layer);
 ``finish_step`` (from ``wait_for_save``, after the whole forward) moves the lifecycles on: a
 completed prompt is compressed when the next step binds, ``prefill=stream`` chunks and due decode
 recompressions right away (after a step that verified speculative draft tokens, at the next
