@@ -176,7 +176,6 @@ class CpuPagedCache(PagedCache):
         self.values = halves[:, 1].view(self.num_pages, bs, d)
         # the kernel's own view of a cache (as CPU_ATTN builds it), with one head per "block"
         self.kernel_keys, self.kernel_values = self.pages.view(self.num_pages, 1, 2 * bs, d).chunk(2, dim=2)
-        self._last_schedule: tuple[tuple, object] | None = None  # (lengths, query layout, G, dtype), schedule
 
     def read_cells(self, pages: torch.Tensor, offsets: torch.Tensor) -> Tensors:
         return self.keys_t[pages, :, offsets], self.values[pages, offsets]
@@ -198,7 +197,11 @@ class CpuPagedCache(PagedCache):
                variant: AttentionVariant, compensation: SequenceCompensation | None) -> torch.Tensor:
         q = q.contiguous()
         seq_lens, starts, table = lengths.to(torch.int32), query_start.to(torch.int32), tables.to(torch.int32)
-        schedule = self._schedule(seq_lens, starts, q)
+        schedule = vllm_compat.cpu_attention_schedule(
+            num_reqs=table.shape[0], num_heads=q.shape[1], num_kv_heads=1, head_dim=self.head_dim,
+            seq_lens=seq_lens, dtype=q.dtype, query_start_loc=starts, causal=True, sliding_window_size=-1,
+            isa=self.isa, dynamic_causal=None, kv_cache_dtype="auto",
+        )
         out = torch.empty_like(q)
         vllm_compat.cpu_paged_attention(
             query=q, key_cache=self.kernel_keys, value_cache=self.kernel_values, output=out, query_start_loc=starts,
@@ -208,20 +211,6 @@ class CpuPagedCache(PagedCache):
         if compensation is not None:
             self._merge(out, q, tables, lengths, query_start, variant, compensation)
         return out
-
-    def _schedule(self, seq_lens: torch.Tensor, starts: torch.Tensor, q: torch.Tensor) -> object:
-        """vLLM's work schedule for these lengths; the last one is reused while the lengths and
-        query layout repeat (every layer of a step with uniform budgets; vLLM's own backend also
-        plans once per step), ~50 µs saved per layer."""
-        key = (tuple(seq_lens.tolist()), tuple(starts.tolist()), q.shape[1], q.dtype)
-        if self._last_schedule is None or self._last_schedule[0] != key:
-            schedule = vllm_compat.cpu_attention_schedule(
-                num_reqs=seq_lens.shape[0], num_heads=q.shape[1], num_kv_heads=1, head_dim=self.head_dim,
-                seq_lens=seq_lens, dtype=q.dtype, query_start_loc=starts, causal=True, sliding_window_size=-1,
-                isa=self.isa, dynamic_causal=None, kv_cache_dtype="auto",
-            )
-            self._last_schedule = (key, schedule)
-        return self._last_schedule[1]
 
     def _merge(self, out: torch.Tensor, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
                query_start: torch.Tensor, variant: AttentionVariant, compensation: SequenceCompensation) -> None:

@@ -16,6 +16,7 @@ the KV buffer.
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -66,12 +67,13 @@ class PagedBatch:
     compensation: list[SequenceCompensation | None]  # per layer; None: no sequence has a token
 
 
-def _as_slice(index: torch.Tensor, device: torch.device) -> torch.Tensor | slice:
-    """``index`` (host, int64) as the slice it equals when consecutive, else on ``device``."""
-    n = index.numel()
-    if n and int(index[-1]) - int(index[0]) == n - 1 and bool((index.diff() == 1).all()):
-        return slice(int(index[0]), int(index[0]) + n)
-    return index.to(device)
+def _contiguous(rows: list[Row], heads: int) -> slice | None:
+    """The slice of ``query.view(-1, G, D)`` that the rows' sequences read, when it is one run:
+    one query per row and adjacent rows (decode), sequence (row, head) = row.lo * heads + head.
+    From the rows' bounds alone (host ints: no tensor is read)."""
+    if not rows or any(r.hi - r.lo != 1 for r in rows) or any(b.lo != a.hi for a, b in itertools.pairwise(rows)):
+        return None
+    return slice(rows[0].lo * heads, rows[-1].hi * heads)
 
 
 class KVCompWorker:
@@ -265,7 +267,7 @@ class KVCompWorker:
             tables=(torch.cat(padded, dim=1) if padded else empty.unsqueeze(-1)).to(device, torch.int32),
             lengths=all_lengths.to(device, torch.int32),
             query_start=torch.cumsum(torch.tensor([0, *counts]), 0).to(device, torch.int32),
-            gather=_as_slice(torch.cat(gather) if gather else torch.zeros(0, dtype=torch.long), device),
+            gather=_contiguous(rows, heads) or (torch.cat(gather) if gather else torch.zeros(0, dtype=torch.long)).to(device),
             requests=requests,
             compensation=self._compensation(requests, counts, all_lengths),
         )
