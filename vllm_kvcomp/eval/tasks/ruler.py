@@ -43,8 +43,8 @@ from collections.abc import Callable
 from functools import partial
 from random import Random
 
-from vllm_kvcomp.eval.tasks import passkey
 from vllm_kvcomp.eval.tasks.base import Sample, TaskContext, TaskInfo, Turn
+from vllm_kvcomp.eval.tasks.passkey import FILLER
 from vllm_kvcomp.eval.tasks.sizing import Needle, TokenCounter, fit_prompt, tolerance
 
 VT_HOPS = 4
@@ -136,7 +136,7 @@ def _words_of(*texts: str) -> frozenset[str]:
 WORDS = tuple(sorted(set(_WORD_TEXT.split()) - _words_of(CWE_INTRO, CWE_QUESTION)))
 
 _TEMPLATE_WORDS = _words_of(VT_INTRO, VT_QUESTION, CWE_INTRO, CWE_QUESTION, FWE_INTRO,
-                             FWE_QUESTION, *passkey.FILLER)
+                             FWE_QUESTION, *FILLER)
 
 
 def _render(intro: str, question: str) -> Callable[[str], str]:
@@ -207,7 +207,7 @@ def variable_names(rng: Random, n: int) -> list[str]:
 
 def make_vt(ctx: TaskContext, index: int, length: int) -> Sample:
     rng = ctx.rng("vt", length, index)
-    pool = ctx.pool("passkey", lambda: passkey.FILLER)
+    pool = ctx.pool("passkey", lambda: FILLER)
     names = variable_names(rng, VT_HOPS + 1)
     value = str(rng.randint(10_000, 99_999))
     statements = [f"VAR {names[0]} = {value}"]
