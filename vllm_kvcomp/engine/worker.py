@@ -238,24 +238,23 @@ class KVCompWorker:
             flat_q, flat_out = query.reshape(-1, group, query.shape[2]), output.view(-1, group, output.shape[2])
             out = self.cache.attend(flat_q[batch.gather], batch.tables[layer], batch.lengths[layer],
                                     batch.query_start, self.variants[layer], batch.compensation[layer])
-            if isinstance(batch.gather, slice):
-                flat_out[batch.gather].copy_(out)
-            else:
-                flat_out[batch.gather] = out.to(output.dtype)
+            flat_out[batch.gather] = out.to(output.dtype)
 
     def _paged_batch(self, rows: list[Row]) -> PagedBatch:
         """Page tables, query layout and compensation tokens of this step's compressed rows
         (built once per step, on the host, so that the layers read nothing back; the index
         tensors in the kernels' int32, so that no layer converts them)."""
         heads = self.num_kv_heads
+        contiguous = _contiguous(rows, heads)
         tables, lengths, counts, gather, requests = [], [], [], [], []
         for row in rows:
             sched, state = self.step[row.req_id], self.requests[row.req_id]
             end = sched.num_computed + sched.num_scheduled
             tables.append(state.pages.tables(torch.tensor(sched.block_ids), end))  # [L, H, W]
             lengths.append(state.pages.lengths(end))
-            tokens = torch.arange(row.lo, row.hi)
-            gather.append((tokens.view(1, -1) * heads + torch.arange(heads).view(-1, 1)).flatten())
+            if contiguous is None:
+                tokens = torch.arange(row.lo, row.hi)
+                gather.append((tokens.view(1, -1) * heads + torch.arange(heads).view(-1, 1)).flatten())
             counts.extend([row.hi - row.lo] * heads)
             requests.append(state)
         width = max((t.shape[2] for t in tables), default=0)
@@ -267,7 +266,7 @@ class KVCompWorker:
             tables=(torch.cat(padded, dim=1) if padded else empty.unsqueeze(-1)).to(device, torch.int32),
             lengths=all_lengths.to(device, torch.int32),
             query_start=torch.cumsum(torch.tensor([0, *counts]), 0).to(device, torch.int32),
-            gather=_contiguous(rows, heads) or (torch.cat(gather) if gather else torch.zeros(0, dtype=torch.long)).to(device),
+            gather=contiguous or (torch.cat(gather) if gather else torch.zeros(0, dtype=torch.long)).to(device),
             requests=requests,
             compensation=self._compensation(requests, counts, all_lengths),
         )
