@@ -12,6 +12,7 @@ import pytest
 from tests.engine.conftest import BLOCK_SIZE, generate, params, prompt_ids, token_logprobs
 from tests.engine.test_lifecycle import _add, _assert_clean, _drain
 from vllm_kvcomp import vllm_compat
+from vllm_kvcomp.spec import CompressionSpec
 
 pytestmark = pytest.mark.engine
 
@@ -61,6 +62,27 @@ def test_warm_equals_cold(engine, name):
     for out in (cold, warm):
         stats = out.kv_transfer_params["kvcomp"]
         assert stats["compressions"] >= 1 and stats["blocks_freed"] > 0, stats
+
+
+@pytest.mark.parametrize("name", ["snapkv", "sagekv", "tova", "expected_attention", "criticalkv"])
+def test_context_scope_computes_its_window_before_the_question(engine, name):
+    """``scope=context`` with a question longer than the observation window: the warm run reads
+    the cache only up to the window before the context's end (it computes the window's queries
+    itself) and equals the cold run."""
+    from vllm_kvcomp.policies.registry import get_policy_class
+
+    prompt = prompt_ids(600, seed=9140 + len(name))
+    spec = {**get_policy_class(name).TEST_PARAMS, "policy": name, "ratio": 0.25, "scope": "context",
+            "context_tokens": 400}
+    window = CompressionSpec.from_mapping(spec).build_policy().queries_needed()
+    assert 0 < window < 200
+    cold = generate(engine, [prompt], params(12, **spec))[0]
+    warm = generate(engine, [prompt], params(12, **spec))[0]
+    assert warm.num_cached_tokens == (400 - window) // BLOCK_SIZE * BLOCK_SIZE
+    assert list(warm.outputs[0].token_ids) == list(cold.outputs[0].token_ids)
+    assert max(abs(a - b) for a, b in zip(token_logprobs(warm), token_logprobs(cold))) <= 1e-4
+    for out in (cold, warm):
+        assert out.kv_transfer_params["kvcomp"]["compressions"] == 1, out.kv_transfer_params
 
 
 def test_shared_prefix_read_and_left_unchanged(engine):

@@ -96,7 +96,7 @@ class RequestStats:
 class CopyOnCompress:
     """Scheduler state of a request that shares the prefix cache (see the module docstring)."""
 
-    window: int  # trailing prompt tokens the policy must compute itself (its query window)
+    hit_cap: int  # most prompt tokens read from the prefix cache: the policy's query window is computed
     kept_bound: int | None  # mean kept tokens per head after the prompt, if the policy bounds it
     spares: list[Any] = field(default_factory=list)  # vLLM blocks sent to the worker, not yet placed
     held: list[Any] = field(default_factory=list)  # spares the table could not take (freed at the end)
@@ -160,7 +160,7 @@ class KVCompScheduler:
         if self.copy_on_compress and not _streams(spec):  # compacted once: may share the prefix cache
             policy = self._policy(request.request_id, spec)
             self.cow[request.request_id] = CopyOnCompress(
-                window=policy.queries_needed(),
+                hit_cap=max(policy.context_end(request.num_prompt_tokens) - policy.queries_needed(), 0),
                 kept_bound=policy.held_bound(request.num_prompt_tokens, self.num_heads))
             return
         # Compaction rewrites this request's blocks in place (after every prefill=stream chunk, or
@@ -220,10 +220,11 @@ class KVCompScheduler:
         self.copy_on_compress = False
 
     def cache_hit_cap(self, request) -> int | None:
-        """Most prefix-cache tokens a request may read: a compressed one computes its window itself."""
+        """Most prefix-cache tokens a request may read: a compressed one computes its observation
+        window itself (the tokens before the end of what it compresses: the prompt, or with
+        ``scope=context`` the context)."""
         cow = self.cow.get(request.request_id)
-        stats = self.requests.get(request.request_id)
-        return None if cow is None or stats is None else max(stats.prompt_len - cow.window, 0)
+        return None if cow is None else cow.hit_cap
 
     def admission(self, request) -> bool | None:
         """A ``prefill=stream`` request is admitted when its bounded peak fits (None: vLLM's rule)."""
@@ -246,7 +247,7 @@ class KVCompScheduler:
                 cow = self.cow.get(rid)
                 if cow is not None:
                     cow.release(self.kv_cache_manager)
-                    self.cow[rid] = CopyOnCompress(window=cow.window, kept_bound=cow.kept_bound)
+                    self.cow[rid] = CopyOnCompress(hit_cap=cow.hit_cap, kept_bound=cow.kept_bound)
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))

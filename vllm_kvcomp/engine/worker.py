@@ -358,6 +358,17 @@ class KVCompWorker:
             ))
         return inputs
 
+    def _decide_failed(self, rid: str, state: CompressedRequest, err: ValueError) -> None:
+        """The policy could not decide (nothing moved): before the first compaction the request
+        is served uncompressed and its result says why; after it, it keeps what it holds and the
+        next due recompression tries again."""
+        logger.error("request %s: compression failed: %s", rid, err)
+        if not state.pages.compressed:
+            self._report.uncompressed[rid] = f"compression failed: {err}"
+            state.spec = CompressionSpec()
+            state.policy = state.spec.build_policy()
+        state.lifecycle.compressed()
+
     @staticmethod
     def _copies(state: CompressedRequest, sched: ScheduledRequest) -> bool:
         """Whether this compaction must not write into the request's own blocks (copy-on-compress:
@@ -380,7 +391,11 @@ class KVCompWorker:
         block_ids = torch.tensor(sched.block_ids, dtype=torch.long)
         inputs = self._layer_inputs(state, block_ids, end)
         state.policy_state.page_quantum = (self.block_size, end % self.block_size)
-        selections = state.policy.decide(inputs, state.policy_state)
+        try:
+            selections = state.policy.decide(inputs, state.policy_state)
+        except ValueError as err:  # a bug, not bad input: nothing was moved yet, keep serving
+            self._decide_failed(rid, state, err)
+            return
         before = torch.stack([kv.valid_lengths() for kv in inputs])  # [L, H]
         kept = [[idx - (kv.num_slots - int(before[layer, h])) for h, idx in enumerate(sel.indices)]
                 for layer, (kv, sel) in enumerate(zip(inputs, selections))]
