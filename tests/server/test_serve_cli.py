@@ -98,6 +98,7 @@ def test_a_fetchable_model_by_name(monkeypatch, model_dir, tmp_path):
     monkeypatch.setattr(cli, "fetch_model", lambda name: fetched.append(name) or model_dir)
     args = parse(["gemma-3-270m"])
     assert args.model == str(model_dir) and args.served_model_name == ["gemma-3-270m"] and fetched == ["gemma-3-270m"]
+    assert args.model_tag == str(model_dir)  # what vLLM's serve command loads
     monkeypatch.chdir(tmp_path)
     (tmp_path / "gemma-3-270m").mkdir()  # a folder of that name here wins
     assert parse(["gemma-3-270m"]).model == "gemma-3-270m" and fetched == ["gemma-3-270m"]

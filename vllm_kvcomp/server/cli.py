@@ -100,6 +100,7 @@ def prepare(args: argparse.Namespace, vllm_defaults: dict[str, Any], on_cpu: boo
         )
     if MIDDLEWARE not in args.middleware:
         args.middleware.append(MIDDLEWARE)
+    args.model_tag = args.model  # vLLM's serve command loads model_tag when it is set
 
 
 def cpu_defaults(model: str) -> dict[str, Any]:
