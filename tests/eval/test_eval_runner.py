@@ -87,6 +87,11 @@ def test_end_to_end_two_policies_and_resume(api: str, fake_server, whitespace_co
         second = [q for q in fake_server.requests if len(q["body"]["messages"]) == 3]
         assert len(second) == 2 * 3
         assert all(q["body"]["messages"][1]["role"] == "assistant" for q in second)
+    else:  # a base model continues the answer: passkey/niah prompts end with its start
+        ends = [q["body"]["prompt"].rsplit("\n\n", 1)[1] for q in fake_server.requests]
+        assert sum(e == "Assistant: The pass key is" for e in ends) == 2 * 3
+        assert sum(e.startswith("Assistant: The special magic number for ") for e in ends) == 2 * 3
+        assert sum(e == "Assistant:" for e in ends) == 2 * 2 * 3  # multiturn has none
 
     before = len(fake_server.requests)
     again = runner.run(_ctx(whitespace_counter, essay_dir), items, conds, settings, out)

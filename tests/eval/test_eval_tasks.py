@@ -59,6 +59,26 @@ def test_every_answer_occurs_exactly_once(task: str, bpe_counter, essay_dir: Pat
             assert not any(a in turn.user for a in answers)
 
 
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_answer_starts_name_what_is_asked_and_give_nothing_away(task: str, bpe_counter, essay_dir: Path) -> None:
+    """RULER's answer prefixes (completions: a base model continues them); none for multiturn."""
+    for index in range(3):
+        sample = generate(_ctx(bpe_counter, essay_dir), task, 800, index)
+        for turn in sample.turns:
+            if task == "multiturn":
+                assert turn.answer_start is None
+                continue
+            assert turn.answer_start and not any(a in turn.answer_start for a in turn.answers)
+        last = sample.turns[-1]
+        if task in ("niah", "multi_niah"):  # it names the keys the question asks for
+            keys = [w for w in last.question.split() if "-" in w]
+            assert keys and all(k.strip("?,.") in last.answer_start for k in keys)
+        if task == "vt":  # the value and the number of names, as the question has them
+            value = next(w for w in last.question.split() if w.isdigit() and len(w) == 5)
+            assert f"value {value}," in last.answer_start
+            assert f" {len(last.answers)} variables" in last.answer_start
+
+
 @pytest.mark.parametrize("task,needle", [("passkey5", "The pass key is"),
                                          ("passkey64", "The pass key is"),
                                          ("niah", "One of the special magic numbers")])

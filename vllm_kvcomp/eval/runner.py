@@ -241,15 +241,16 @@ def kept_fraction(kv_compression: Any, applied: str | None) -> float | None:
     return None
 
 
-def render_plain(messages: Sequence[dict[str, str]]) -> str:
-    """Messages as one completion prompt (``--api completions``)."""
+def render_plain(messages: Sequence[dict[str, str]], answer_start: str | None = None) -> str:
+    """Messages as one completion prompt (``--api completions``), ending with the start of the
+    answer when the task gives one (a base model continues it)."""
     body = "\n\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in messages)
-    return body + "\n\nAssistant:"
+    return body + "\n\nAssistant:" + (f" {answer_start}" if answer_start else "")
 
 
 def ask(client: Any, settings: Settings, messages: list[dict[str, str]], max_tokens: int,
-        header: str) -> Reply:
-    """One greedy request with the compression header."""
+        header: str, answer_start: str | None = None) -> Reply:
+    """One greedy request with the compression header (``answer_start``: completions only)."""
     common = {"model": settings.model, "max_tokens": max_tokens, "temperature": 0.0,
               "extra_headers": {HEADER: header}}
     if settings.api == "chat":
@@ -257,7 +258,7 @@ def ask(client: Any, settings: Settings, messages: list[dict[str, str]], max_tok
         response = raw.parse()
         text = response.choices[0].message.content or ""
     else:
-        raw = client.completions.with_raw_response.create(prompt=render_plain(messages), **common)
+        raw = client.completions.with_raw_response.create(prompt=render_plain(messages, answer_start), **common)
         response = raw.parse()
         text = response.choices[0].text or ""
     usage = response.usage
@@ -283,7 +284,7 @@ def evaluate(client: Any, settings: Settings, sample: Sample, condition: Conditi
         for turn in sample.turns:
             messages.extend(turn.messages(split=condition.scope == "context"))
             reply = ask(client, settings, messages, settings.max_tokens or sample.max_tokens,
-                        condition.header)
+                        condition.header, turn.answer_start)
             messages.append({"role": "assistant", "content": reply.text})
             replies.append(reply)
     except Exception as err:  # any transport / HTTP failure is recorded and retried on resume

@@ -21,12 +21,15 @@ class Turn:
     numbers), ``words`` (fraction of ``answers`` present as whole words, any case).
     ``question``: the end of ``user`` that asks (after the document), sent as a message of its own
     when only the context is compressed (``vllm-kvcomp eval --scope context``).
+    ``answer_start``: the start of the reply (RULER's answer prefix): with ``--api completions``
+    the prompt ends with it, so a base model that does not follow questions continues an answer.
     """
 
     user: str
     answers: tuple[str, ...]
     scorer: Scorer
     question: str | None = None
+    answer_start: str | None = None
 
     def __post_init__(self) -> None:
         if self.question is not None and not self.user.endswith(self.question):

@@ -20,8 +20,10 @@ INTRO = ("Some special magic numbers are hidden within the following text. Make 
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
 QUESTION = ("What is the special magic number for {key} mentioned in the provided text? "
             "Answer with the number only.")
+ANSWER_START = "The special magic number for {key} mentioned in the provided text is"
 MULTI_QUESTION = ("What are the special magic numbers for {keys} mentioned in the provided text? "
                   "List each of them with its number.")
+MULTI_ANSWER_START = "The special magic numbers for {keys} mentioned in the provided text are"
 ADJECTIVES = ("amber", "brave", "calm", "crimson", "dusty", "eager", "fancy", "gentle", "hollow",
               "icy", "jolly", "lucky", "misty", "noble", "quiet", "rapid", "silver", "tidy")
 NOUNS = ("otter", "harbor", "violin", "lantern", "meadow", "falcon", "pebble", "canyon", "teapot",
@@ -57,14 +59,17 @@ def make_niah(ctx: TaskContext, index: int, length: int) -> Sample:
     pool = ctx.essays()
     start = rng.randrange(len(pool))
 
+    drawn = {}  # the last attempt's answer start (draw_unique keeps the last attempt)
+
     def attempt() -> Draw:
         key, value = random_keys(rng, 1)[0], random_value(rng)
         needle = Needle(NEEDLE.format(key=key, value=value), depth)
         render = _render(QUESTION.format(key=key))
+        drawn["start"] = ANSWER_START.format(key=key)
         return (*fit_prompt(pool, start, [needle], length, render), (value,))
 
     prompt, tokens, answers = draw_unique(attempt)
-    turn = Turn(prompt, answers, "exact", question=_question(prompt))
+    turn = Turn(prompt, answers, "exact", question=_question(prompt), answer_start=drawn["start"])
     return Sample("niah", index, ctx.seed, length, tokens, (turn,), TASKS["niah"].max_tokens, depth)
 
 
@@ -73,6 +78,8 @@ def make_multi_niah(ctx: TaskContext, index: int, length: int) -> Sample:
     pool = ctx.essays()
     start = rng.randrange(len(pool))
 
+    drawn = {}  # the last attempt's answer start (draw_unique keeps the last attempt)
+
     def attempt() -> Draw:
         keys = random_keys(rng, MULTI_NEEDLES)
         values = tuple(random_value(rng) for _ in keys)
@@ -80,10 +87,11 @@ def make_multi_niah(ctx: TaskContext, index: int, length: int) -> Sample:
         needles = [Needle(NEEDLE.format(key=k, value=v), d) for k, v, d in zip(keys, values, depths)]
         asked = ", ".join(keys[:-1]) + f" and {keys[-1]}"
         render = _render(MULTI_QUESTION.format(keys=asked))
+        drawn["start"] = MULTI_ANSWER_START.format(keys=asked)
         return (*fit_prompt(pool, start, needles, length, render), values)
 
     prompt, tokens, answers = draw_unique(attempt)
-    turn = Turn(prompt, answers, "recall", question=_question(prompt))
+    turn = Turn(prompt, answers, "recall", question=_question(prompt), answer_start=drawn["start"])
     return Sample("multi_niah", index, ctx.seed, length, tokens, (turn,),
                   TASKS["multi_niah"].max_tokens)
 

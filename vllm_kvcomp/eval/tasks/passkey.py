@@ -17,6 +17,7 @@ FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here
           "There and back again.")
 NEEDLE = "The pass key is {key}. Remember it."
 QUESTION = "What is the pass key? Answer with the pass key only."
+ANSWER_START = "The pass key is"
 
 
 def random_key(rng: Random, digits: int) -> str:
@@ -39,7 +40,8 @@ def _make(name: str, digits: int, ctx: TaskContext, index: int, length: int) -> 
         return (*fit_prompt(pool, 0, [needle], length, _render), (key,))
 
     prompt, tokens, answers = draw_unique(attempt)
-    turn = Turn(prompt, answers, "exact" if digits <= 8 else "prefix", question=QUESTION)
+    turn = Turn(prompt, answers, "exact" if digits <= 8 else "prefix", question=QUESTION,
+                answer_start=ANSWER_START)
     return Sample(name, index, ctx.seed, length, tokens, (turn,), TASKS[name].max_tokens, depth)
 
 

@@ -52,6 +52,8 @@ VT_NAME_LEN = 5
 VT_INTRO = "Memorize and track the chain(s) of variable assignment hidden in the following text."
 VT_QUESTION = ("Question: Find all variables that are assigned the value {value} in the text above. "
                "Answer with the names of the {n} variables only.")
+VT_ANSWER_START = ("Answer: According to the chain(s) of variable assignment in the text above, {n} "
+                   "variables are assigned the value {value}, they are:")
 
 CWE_COMMON = 10
 CWE_FREQ_SHORT = (6, 1)  # (common, uncommon) occurrences below CWE_LONG tokens, as in RULER
@@ -62,6 +64,7 @@ CWE_INTRO = ("Below is a numbered list of words. In these words, some appear mor
              "others. Memorize the ones that appear most often.")
 CWE_QUESTION = (f"Question: What are the {CWE_COMMON} most common words in the above list? "
                 f"Answer with the {CWE_COMMON} words only.")
+CWE_ANSWER_START = f"Answer: The top {CWE_COMMON} words that appear most often in the list are:"
 
 FWE_ANSWERS = 3
 FWE_WORD_LEN = 6
@@ -73,6 +76,7 @@ FWE_INTRO = ("Read the following coded text and track the frequency of each code
              "three most frequently appeared coded words.")
 FWE_QUESTION = ("Question: Do not provide any explanation. Please ignore the dots '....'. What are "
                 "the three most frequently appeared words in the above coded text?")
+FWE_ANSWER_START = "Answer: According to the coded text above, the three most frequently appeared words are:"
 
 _WORD_TEXT = """
     able acorn anchor angry ankle apple arm army arrow art attic aunt baby bad badge bag
@@ -216,7 +220,8 @@ def make_vt(ctx: TaskContext, index: int, length: int) -> Sample:
     needles = [Needle(s, rng.uniform(j / n, (j + 1) / n)) for j, s in enumerate(statements)]
     question = VT_QUESTION.format(value=value, n=n)
     prompt, tokens = fit_prompt(pool, 0, needles, length, _render(VT_INTRO, question))
-    turn = Turn(prompt, tuple(names), "words", question=question)
+    turn = Turn(prompt, tuple(names), "words", question=question,
+                answer_start=VT_ANSWER_START.format(value=value, n=n))
     return Sample("vt", index, ctx.seed, length, tokens, (turn,), TASKS["vt"].max_tokens)
 
 
@@ -260,7 +265,7 @@ def make_cwe(ctx: TaskContext, index: int, length: int) -> Sample:
         if n < most or abs(tokens - length) <= tolerance(length):
             break
         entries *= 1.25  # even the most uncommon words were too few: raise both frequencies
-    turn = Turn(prompt, tuple(common), "words", question=CWE_QUESTION)
+    turn = Turn(prompt, tuple(common), "words", question=CWE_QUESTION, answer_start=CWE_ANSWER_START)
     return Sample("cwe", index, ctx.seed, length, tokens, (turn,), TASKS["cwe"].max_tokens)
 
 
@@ -298,7 +303,7 @@ def make_fwe(ctx: TaskContext, index: int, length: int) -> Sample:
     if len(counts) > FWE_ANSWERS + 1 and counts[FWE_ANSWERS] <= counts[FWE_ANSWERS + 1]:
         raise RuntimeError(f"fwe scale {scale}: the top {FWE_ANSWERS} words are not unambiguous")
     answers = tuple(coded_words(vocab_seed, FWE_ANSWERS))
-    turn = Turn(prompt, answers, "words", question=FWE_QUESTION)
+    turn = Turn(prompt, answers, "words", question=FWE_QUESTION, answer_start=FWE_ANSWER_START)
     return Sample("fwe", index, ctx.seed, length, tokens, (turn,), TASKS["fwe"].max_tokens)
 
 
