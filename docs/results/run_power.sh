@@ -53,13 +53,6 @@ if [[ -n "${REPORT_ONLY:-}" ]]; then
 fi
 # Prefix caching (vLLM's default, named here): a sample's prompt is the same under all 26
 # conditions and they go out one after another, so each prompt is prefilled about once.
-python3 -m vllm_kvcomp serve --host 127.0.0.1 --port "$PORT" --enable-prefix-caching \
-  --kv-compression-config docs/results/operator.yaml &
-SERVER=$!
-trap 'kill "$SERVER" 2>/dev/null || true' EXIT
-for _ in $(seq 300); do
-  curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
-  kill -0 "$SERVER" 2>/dev/null || { echo "server exited during start" >&2; exit 1; }
-  sleep 2
-done
+source docs/results/serve.sh
+serve "$PORT" --enable-prefix-caching --kv-compression-config docs/results/operator.yaml
 "${EVAL[@]}" --url "http://127.0.0.1:$PORT" --concurrency 2 --max-errors 50
