@@ -14,6 +14,7 @@ from vllm_kvcomp.eval.report import (
     plot_accuracy,
     plot_heatmaps,
     plot_memory,
+    pooled_markdown,
     summarize,
     write_report,
 )
@@ -106,3 +107,20 @@ def test_write_report_without_plots(tmp_path: Path) -> None:
     assert text.startswith("# vllm-kvcomp eval summary")
     assert text.count("\n| niah |") == len([r for r in rows if r.task == "niah"]) == 10
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_pooled_over_the_tasks_full_ran_best_first_with_the_ratio_to_full() -> None:
+    records = [_record("niah", "full", 1.0, 2048, i, 1.0) for i in range(4)]
+    records += [_record("vt", "full", 1.0, 2048, i, 0.5) for i in range(4)]  # full pools to 0.75
+    records += [_record("niah", "snapkv", 0.25, 2048, i, float(i < 3)) for i in range(4)]
+    records += [_record("vt", "snapkv", 0.25, 2048, i, 0.0) for i in range(4)]  # 3/8
+    records += [_record("niah", "lagkv", 0.25, 2048, i, 1.0) for i in range(4)]  # no vt: left out
+    records += [_record("cwe", "snapkv", 0.25, 2048, i, 1.0) for i in range(4)]  # full never ran cwe
+    text = pooled_markdown(summarize(records))
+    lines = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert "pooled over niah, vt" in text
+    assert [line.split(" | ")[0] for line in lines] == ["| full", "| snapkv"]
+    assert lines[0].split(" | ")[2:4] == ["8", "0.750"]
+    assert lines[1].split(" | ")[2:4] == ["8", "0.375"] and "| 0.50x |" in lines[1]
+    assert "| 0.250 |" in lines[1]  # mean kept
+    assert pooled_markdown(summarize(records[:8])) and not pooled_markdown(summarize(records[:4]))

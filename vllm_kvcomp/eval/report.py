@@ -15,6 +15,7 @@ from typing import Any
 from vllm_kvcomp.eval import claims, plots
 from vllm_kvcomp.eval.cells import Row, format_length, latest, summarize
 from vllm_kvcomp.eval.plots import plot_accuracy, plot_heatmaps, plot_memory
+from vllm_kvcomp.eval.stats import wilson
 from vllm_kvcomp.policies.registry import get_policy_class
 
 TITLE = "# vllm-kvcomp eval summary"
@@ -91,11 +92,45 @@ def sweep_markdown(rows: Sequence[Row], policy: str = "lagkv", key: str = "lag")
     return "\n".join(out)
 
 
+def pooled_markdown(rows: Sequence[Row]) -> str:
+    """Every condition's samples pooled over the tasks that full cache also ran at that length
+    (mean, Wilson 95 % interval over the pooled samples, the ratio to full's pooled mean, mean
+    kept), best first; empty when no length has full cache and two tasks."""
+    out = []
+    for length in sorted({r.length for r in rows}):
+        tasks = sorted({r.task for r in rows if r.length == length and r.policy == "full"})
+        if len(tasks) < 2:
+            continue
+        pooled = {}
+        for r in rows:
+            if r.length == length and r.task in tasks and r.n and r.accuracy is not None:
+                pooled.setdefault((r.condition, r.ratio), []).append(r)
+        if any(len({c.task for c in cells}) < len(tasks) for cells in pooled.values()):
+            pooled = {k: v for k, v in pooled.items() if len({c.task for c in v}) == len(tasks)}
+        means = {k: (sum(c.accuracy * c.n for c in v) / sum(c.n for c in v), sum(c.n for c in v))
+                 for k, v in pooled.items()}
+        full = next((m for (cond, _), (m, _) in means.items() if cond == "full"), None)
+        out += [f"{format_length(length)} tokens, pooled over {', '.join(tasks)}:", "",
+                "| policy | ratio | n | accuracy | 95% CI | vs full | kept |", "|---|---:|---:|---:|---|---:|---:|"]
+        for (cond, ratio), (mean, n) in sorted(means.items(), key=lambda kv: (-kv[1][0], kv[0])):
+            low, high = wilson(mean, n)
+            kept = [(c.kept, c.n) for c in pooled[(cond, ratio)] if c.kept is not None]
+            held = sum(k * n for k, n in kept) / sum(n for _, n in kept) if kept else None
+            versus = f"{mean / full:.2f}x" if full else "–"
+            out.append(f"| {cond} | {ratio:g} | {n} | {mean:.3f} | [{low:.2f}, {high:.2f}] | {versus} | "
+                       f"{_num(held)} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def report_markdown(rows: Sequence[Row]) -> str:
     """The whole summary: cells, claims (if any claim cell ran), the lag sweep (if run)."""
     parts = [TITLE, "", "Accuracy is the mean score; 95% CI is its Wilson score interval "
              "(conservative for partial-credit scores); kept is the mean `kept_fraction` the "
              "server reported (KV held in decode over the full cache's).", "", markdown(rows)]
+    pooled = pooled_markdown(rows)
+    if pooled:
+        parts += ["## Pooled over tasks", "", pooled]
     verdicts = claims.judge(rows)
     if verdicts:
         parts += ["## Claims", "", claims.RULES, "", claims_markdown(verdicts)]
@@ -121,5 +156,5 @@ def write_report(records: Sequence[dict[str, Any]], summary: Path, folder: Path 
 
 
 __all__ = ["Row", "claims_markdown", "format_length", "latest", "markdown", "plot_accuracy",
-           "plot_heatmaps", "plot_memory", "report_markdown", "summarize", "sweep_markdown",
-           "write_report"]
+           "plot_heatmaps", "plot_memory", "pooled_markdown", "report_markdown", "summarize",
+           "sweep_markdown", "write_report"]
