@@ -4,18 +4,21 @@
 # vLLM CPU (float32), 2K tokens, RULER-style tasks.
 #
 #   bash docs/results/run_context.sh                 # run, or resume after an interruption
-#   REPORT_ONLY=1 bash docs/results/run_context.sh   # rebuild context.md and the plots only
+#   REPORT_ONLY=1 bash docs/results/run_context.sh   # rebuild context_<scope>.md and the plots only
 #   SCOPE=all bash docs/results/run_context.sh       # the same cells with the question compressed too
 #
 # One `vllm-kvcomp eval` through a default `vllm-kvcomp serve` (every policy allowed, shipped
 # calibration profiles for razor / pod / duoattention), greedy, prompts fixed by --seed 0, 20
-# samples per (task, condition). Two policies cannot reach 0.25 with this model's shipped
-# profiles (the server answers 400 naming the feasible range): razor's 24 retrieval heads hold
-# 0.267 of the cache by themselves, so it runs at 0.3; duoattention's gate threshold makes 43 of
-# the 90 (layer, KV head) pairs retrieval heads (0.478), so it runs with sparsity=0.9 (9 retrieval
-# heads, the rest sink + recent) at 0.25. passkey is left out: with the question in a message of its own
-# the 135M model answers it without reading the document even with full cache (0/8 in
-# docs/results/scope_pilot.md), so it would measure nothing about the policies.
+# samples per (task, condition), sample-major (an interrupted run leaves every cell with about
+# the same n). Two policies cannot reach 0.25 with this model's shipped profiles (the server
+# answers 400 naming the feasible range): razor's 24 retrieval heads hold 0.267 of the cache by
+# themselves, so it runs at 0.3; duoattention's gate threshold makes 43 of the 90 (layer, KV
+# head) pairs retrieval heads (0.478), so it runs with sparsity=0.9 (9 retrieval heads, the rest
+# sink + recent) at 0.25. passkey is left out: with the question in a message of its own the
+# 135M model answers it without reading the document even with full cache (0/8 in
+# docs/results/scope_pilot.md), so it would measure nothing about the policies; so is RULER's
+# variable tracking (vt): full cache answered 0 of its first 3 samples here (it lists the filler
+# sentences as variables), while policies that happen to keep the assignments score above it.
 #
 # Output: docs/results/context_<scope>.jsonl (one line per sample, appended and resumed),
 # docs/results/context_<scope>.md (n and Wilson 95 % intervals per cell),
@@ -28,7 +31,7 @@ OUT=docs/results/context_$SCOPE.jsonl
 POLICIES="full,streamingllm,snapkv,h2o,knorm,sagekv,lagkv,entropy,razor:ratio=0.3,pod"
 POLICIES+=",keydiff,tova,pyramidkv,expected_attention,criticalkv,duoattention:sparsity=0.9"
 EVAL=(python3 -m vllm_kvcomp eval --model SmolLM2-135M-Instruct
-      --tasks niah,multi_niah,vt,cwe,fwe --policies "$POLICIES" --ratios 0.25 --scope "$SCOPE"
+      --tasks niah,multi_niah,cwe,fwe --policies "$POLICIES" --ratios 0.25 --scope "$SCOPE"
       --lengths 2k --depths 0,25,50,75,100 --samples "${SAMPLES:-20}" --seed 0
       --out "$OUT" --summary "${OUT%.jsonl}.md" --plots "${OUT%.jsonl}")
 if [[ -n "${REPORT_ONLY:-}" ]]; then
