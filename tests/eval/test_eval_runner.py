@@ -164,7 +164,9 @@ def test_cli_end_to_end_writes_results_summary_and_plots(fake_server, tokenizer_
     assert {r["length"] for r in records} == {700, 1024}
     table = capsys.readouterr().out
     assert "| passkey64 | snapkv | 0.25 | 1k | 3 |" in table
-    assert out.with_suffix(".md").read_text().count("\n| ") == 1 + 3 * 2 * 3
+    cells, pooled = out.with_suffix(".md").read_text().split("## Pooled over tasks")
+    assert cells.count("\n| ") == 1 + 3 * 2 * 3
+    assert pooled.count("\n| ") == 2 * (1 + 3)  # per length: header + full and snapkv at 2 ratios
     names = sorted(p.name for p in plots.iterdir())
     assert names == ["accuracy_multi_niah.png", "accuracy_niah.png", "accuracy_passkey64.png",
                      "heatmap_niah_full.png", "heatmap_niah_snapkv.png",
