@@ -101,12 +101,11 @@ def pooled_markdown(rows: Sequence[Row]) -> str:
         tasks = sorted({r.task for r in rows if r.length == length and r.policy == "full"})
         if len(tasks) < 2:
             continue
-        pooled = {}
+        cells: dict[tuple[str, float], list[Row]] = {}
         for r in rows:
             if r.length == length and r.task in tasks and r.n and r.accuracy is not None:
-                pooled.setdefault((r.condition, r.ratio), []).append(r)
-        if any(len({c.task for c in cells}) < len(tasks) for cells in pooled.values()):
-            pooled = {k: v for k, v in pooled.items() if len({c.task for c in v}) == len(tasks)}
+                cells.setdefault((r.condition, r.ratio), []).append(r)
+        pooled = {k: v for k, v in cells.items() if len({c.task for c in v}) == len(tasks)}
         means = {k: (sum(c.accuracy * c.n for c in v) / sum(c.n for c in v), sum(c.n for c in v))
                  for k, v in pooled.items()}
         full = next((m for (cond, _), (m, _) in means.items() if cond == "full"), None)
