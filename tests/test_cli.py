@@ -155,3 +155,16 @@ def test_benchmarks_skip_what_the_server_refuses():
     assert refusal(None, "policy=razor; ratio=0.5") is None
     assert refusal(None, "policy=razor; ratio=0.25; exact=1") is None
     assert refusal(None, "policy=snapkv; ratio=0.25") is None and refusal(None, None) is None
+
+
+def test_benchmarks_judge_a_model_named_like_the_server_does(monkeypatch):
+    """``bench pages --model gemma-3-270m``: the server loads the fetched folder's profiles, so
+    the benchmark must look there too, not skip every calibrated policy as unprofiled."""
+    from vllm_kvcomp import models
+    from vllm_kvcomp.bench.serving import refusal
+
+    bundled = models.fetch_default_model()
+    fetched = []
+    monkeypatch.setattr(models, "fetch_model", lambda name: fetched.append(name) or bundled)
+    assert refusal("gemma-3-270m", "policy=razor; ratio=0.5") is None and fetched == ["gemma-3-270m"]
+    assert "exact=1" in refusal("gemma-3-270m", "policy=razor; ratio=0.25")

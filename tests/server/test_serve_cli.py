@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
+from vllm_kvcomp import models
 from vllm_kvcomp.server import cli
 from vllm_kvcomp.server.operator_config import ConfigError
 
@@ -87,7 +88,7 @@ def test_kv_cache_default_is_4_gib_within_a_quarter_of_free_memory(monkeypatch, 
 
 
 def test_no_model_serves_the_bundled_one(monkeypatch, model_dir):
-    monkeypatch.setattr(cli, "fetch_default_model", lambda: model_dir)
+    monkeypatch.setattr(models, "fetch_default_model", lambda: model_dir)
     args = parse([])
     assert args.model == str(model_dir) and args.served_model_name == ["SmolLM2-135M-Instruct"]
     assert parse(["--served-model-name", "mine"]).served_model_name == ["mine"]
@@ -95,7 +96,7 @@ def test_no_model_serves_the_bundled_one(monkeypatch, model_dir):
 
 def test_a_fetchable_model_by_name(monkeypatch, model_dir, tmp_path):
     fetched = []
-    monkeypatch.setattr(cli, "fetch_model", lambda name: fetched.append(name) or model_dir)
+    monkeypatch.setattr(models, "fetch_model", lambda name: fetched.append(name) or model_dir)
     args = parse(["gemma-3-270m"])
     assert args.model == str(model_dir) and args.served_model_name == ["gemma-3-270m"] and fetched == ["gemma-3-270m"]
     assert args.model_tag == str(model_dir)  # what vLLM's serve command loads

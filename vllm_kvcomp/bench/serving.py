@@ -198,11 +198,11 @@ def refusal(model: str | None, header: str | None) -> str | None:
     answer a request with ``header`` (e.g. razor below its retrieval heads' share), or None."""
     if header is None:
         return None
-    from vllm_kvcomp.models import fetch_default_model
+    from vllm_kvcomp.models import resolve_model
     from vllm_kvcomp.server import protocol
     from vllm_kvcomp.server.operator_config import OperatorConfig
 
-    config = OperatorConfig.for_server(None, model or str(fetch_default_model()))
+    config = OperatorConfig.for_server(None, resolve_model(model)[0])  # the folder the server loads
     try:
         protocol.resolve(config, [header], {})
     except protocol.RequestError as err:
