@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,14 @@ def test_benchmarks_judge_a_model_named_like_the_server_does(monkeypatch):
     monkeypatch.setattr(models, "fetch_model", lambda name: fetched.append(name) or bundled)
     assert refusal("gemma-3-270m", "policy=razor; ratio=0.5") is None and fetched == ["gemma-3-270m"]
     assert "exact=1" in refusal("gemma-3-270m", "policy=razor; ratio=0.25")
+
+
+def test_benchmark_pools_count_every_kv_cache_group(tmp_path):
+    """A hybrid model's request holds blocks in every group vLLM makes of its layers."""
+    from vllm_kvcomp.bench.serving import kv_cache_groups
+
+    gemma3 = ["sliding_attention"] * 5 + ["full_attention"]
+    for types, groups in ((gemma3 * 3, 6), (["sliding_attention", "full_attention"] * 2, 2), ([], 1),
+                          (["full_attention"] * 4, 1)):
+        (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": len(types), "layer_types": types}))
+        assert kv_cache_groups(str(tmp_path)) == groups, types

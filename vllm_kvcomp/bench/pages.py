@@ -38,6 +38,7 @@ from vllm_kvcomp.bench.common import module_main, write_report
 from vllm_kvcomp.bench.serving import (
     MetricsSampler,
     header_for,
+    kv_cache_groups,
     prompts,
     refusal,
     served,
@@ -161,7 +162,7 @@ def _phase_limit(args, configs) -> dict:
     kept length (``kept_fraction`` x length, as reported), side by side in one server; full at
     every length too."""
     lengths = [int(n) for n in args.limit_lengths.split(",")]
-    pool = args.streams * (max(lengths) + args.decode_tokens) // 32 + 64
+    pool = (args.streams * (max(lengths) + args.decode_tokens) // 32 + 64) * kv_cache_groups(args.model)
     args.pool_held = pool
     out: dict = {}
     with served(args.model, pool, 16, max(lengths) + args.decode_tokens + 64, args.logs / "limit.log") as url:
@@ -189,7 +190,7 @@ def _phase_limit(args, configs) -> dict:
 
 
 def _phase_held(args, configs) -> dict:
-    args.pool_held = args.streams * (args.prompt_len + args.decode_tokens) // 32 + 64
+    args.pool_held = (args.streams * (args.prompt_len + args.decode_tokens) // 32 + 64) * kv_cache_groups(args.model)
     out: dict = {}
     with served(args.model, args.pool_held, 16, args.prompt_len + 512, args.logs / "held.log") as url:
         asyncio.run(_held_one(url, args, None, seed=1))  # warm-up

@@ -210,6 +210,19 @@ def refusal(model: str | None, header: str | None) -> str | None:
     return None
 
 
+def kv_cache_groups(model: str | None) -> int:
+    """How many KV-cache groups vLLM's hybrid allocator makes of ``model``'s layers (1 for one
+    attention type): every group has as many layers as the rarest type, e.g. Gemma 3 270M's 3
+    global + 15 sliding-window layers make 6 groups of 3, and a request needs blocks in each.
+    Benchmarks size their pools (one group's blocks per request) times this."""
+    from vllm_kvcomp.models import resolve_model
+
+    config = json.loads((Path(resolve_model(model)[0]) / "config.json").read_text())
+    types = config.get("layer_types") or []
+    counts = [types.count(kind) for kind in set(types)]
+    return len(types) // min(counts) if len(counts) > 1 else 1
+
+
 def header_for(policy: str, ratio: float | None, extra: str = "") -> str | None:
     """The request header of a benchmark config (None for full cache)."""
     if policy == "full":
