@@ -223,6 +223,27 @@ def test_the_server_answers_an_infeasible_ratio_with_a_400(tmp_path, monkeypatch
     assert protocol.resolve(config, ["policy=razor"], {}).policy == "razor"  # the default ratio, 0.5, fits
 
 
+def test_the_server_counts_only_the_layers_the_engine_compresses(tmp_path, monkeypatch):
+    """A hybrid model (``layer_types``): the sliding-window layers stay vLLM's, so the retrieval
+    heads' share is over the full-attention layers only. Layer 2 of 3 is global and both its KV
+    heads are retrieval heads: nothing below 1 is feasible (over all 6 pairs it would look like 1/3)."""
+    import json
+
+    from vllm_kvcomp.calibration import profiles
+    from vllm_kvcomp.server import protocol
+    from vllm_kvcomp.server.operator_config import OperatorConfig
+
+    model = served_model_dir(tmp_path, monkeypatch)
+    config = json.loads((model / "config.json").read_text())
+    config["layer_types"] = ["sliding_attention", "sliding_attention", "full_attention"]
+    (model / "config.json").write_text(json.dumps(config))
+    profiles.save_profile(RetrievalHeadsProfile(model=ModelIdentity.from_model_dir(model),
+                                                kv_heads=frozenset({(2, 0), (2, 1)})), model_dir=model)
+    served = OperatorConfig.for_server(None, str(model))
+    assert_refuses_infeasible_ratio(served, "razor", 0.5, "1.0000")
+    assert protocol.resolve(served, ["policy=razor; ratio=0.5; exact=1"], {}).extras["exact"] == 1
+
+
 @pytest.fixture(scope="module")
 def tiny_oracle(tmp_path_factory):
     """The HF oracle's tiny Llama: 3 layers x 2 KV heads (T = 6 pairs)."""

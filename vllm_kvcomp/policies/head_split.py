@@ -47,15 +47,16 @@ class HeadSplit(Policy):
         raise NotImplementedError
 
     def check_fit(self, retrieval: int, heads: int) -> None:
-        """SpecError (``ratio``) when ``retrieval`` of the model's ``heads`` (layer, KV head) pairs
-        keeping everything already hold ``ratio`` of the cache, whatever the prompt (``exact=0``)."""
+        """SpecError (``ratio``) when ``retrieval`` of the ``heads`` (layer, KV head) pairs the engine
+        compresses keep everything and already hold ``ratio`` of the cache, whatever the prompt
+        (``exact=0``)."""
         share = retrieval / heads if heads else 0.0
         if self.exact or self.ratio is None or self.ratio > share:
             return
         raise SpecError(
             "ratio", f"{self.ratio:g} is infeasible with this server's {self.PROFILE} profile: its {retrieval} "
-            f"retrieval heads of the model's {heads} (layer, KV head) pairs keep every token, {share:.4f} of the "
-            "cache by themselves",
+            f"retrieval heads of the {heads} (layer, KV head) pairs it compresses keep every token, {share:.4f} of "
+            "the cache by themselves",
             f"a number in ({share:.4f}, 1] (a little more for short prompts: the other heads keep at least "
             f"sink + {MIN_RECENT} tokens), {self.FIT_HINT}",
         )

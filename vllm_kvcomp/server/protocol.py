@@ -22,6 +22,7 @@ import functools
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from vllm_kvcomp.params import SpecError, show
@@ -299,7 +300,21 @@ def check_fit(config: OperatorConfig, spec: CompressionSpec) -> None:
         from vllm_kvcomp.calibration.profiles import bind_profile
 
         policy = bind_profile(spec.build_policy(), profile)
-        policy.check_fit(len(policy.retrieval_set()), profile.model.num_layers * profile.model.num_kv_heads)
+        layers = _compressed_layers(config.model) or range(profile.model.num_layers)
+        retrieval = sum(1 for layer, _ in policy.retrieval_set() if layer in layers)
+        policy.check_fit(retrieval, len(layers) * profile.model.num_kv_heads)
+
+
+@functools.lru_cache(maxsize=8)
+def _compressed_layers(model: str) -> frozenset[int] | None:
+    """The layers the engine compresses when ``model``'s config names each layer's attention
+    (``layer_types``, e.g. Gemma 3: the full-attention ones; the sliding-window layers stay
+    vLLM's); None: every layer (or the config cannot be read: the engine says so)."""
+    try:
+        types = json.loads((Path(model) / "config.json").read_text()).get("layer_types")
+    except (OSError, ValueError):
+        return None
+    return frozenset(i for i, kind in enumerate(types) if kind == "full_attention") if types else None
 
 
 @functools.lru_cache(maxsize=8)
