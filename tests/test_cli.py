@@ -180,3 +180,9 @@ def test_benchmark_pools_count_every_kv_cache_group(tmp_path):
                           (["full_attention"] * 4, 1)):
         (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": len(types), "layer_types": types}))
         assert kv_cache_groups(str(tmp_path)) == groups, types
+
+
+def test_reports_name_the_model_they_measured():
+    assert common.model_line(None).startswith("Bundled SmolLM2-135M (fp32")
+    assert common.model_line("gemma-3-270m").startswith("gemma-3-270m (fp32")
+    assert common.model_line("/models/my-llama/").startswith("my-llama (fp32")

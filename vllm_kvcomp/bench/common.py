@@ -22,6 +22,13 @@ def default_out(name: str) -> Path:
     return RESULTS_DIR / f"bench_{name}.md"
 
 
+def model_line(model: str | None) -> str:
+    """How a report names what was measured: the bundled model, a fetchable one by name, or a
+    folder's name; then the numbers every CPU run shares."""
+    name = "Bundled SmolLM2-135M" if model is None else Path(model).name
+    return f"{name} (fp32, vLLM CPU, 2 cores)"
+
+
 def build_parser(module: ModuleType, name: str, prog: str) -> argparse.ArgumentParser:
     """The benchmark's own flags plus ``--out``."""
     parser = argparse.ArgumentParser(

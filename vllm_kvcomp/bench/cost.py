@@ -20,12 +20,12 @@ import random
 import statistics
 import time
 
-from vllm_kvcomp.bench.common import module_main, write_report
+from vllm_kvcomp.bench.common import model_line, module_main, write_report
 from vllm_kvcomp.policies.registry import policy_names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="model folder (default: the bundled SmolLM2)")
+    parser.add_argument("--model", default=None, help="model folder or fetchable name, e.g. gemma-3-270m (default: the bundled SmolLM2)")
     parser.add_argument("--prompt-len", type=int, default=2048)
     parser.add_argument("--ratio", type=float, default=0.25)
     parser.add_argument("--policies", default=",".join(policy_names()), help="default: every policy")
@@ -55,9 +55,9 @@ def run(args: argparse.Namespace) -> int:
     from vllm import LLM
 
     from vllm_kvcomp.engine.plugin import kv_transfer_config
-    from vllm_kvcomp.models import default_model_dir
+    from vllm_kvcomp.models import resolve_model
 
-    llm = LLM(model=args.model or str(default_model_dir()), dtype="float32", enforce_eager=True, block_size=32,
+    llm = LLM(model=resolve_model(args.model)[0], dtype="float32", enforce_eager=True, block_size=32,
               max_model_len=args.prompt_len + 64, max_num_batched_tokens=max(2048, args.prompt_len),
               distributed_executor_backend="uni", enable_prefix_caching=False,
               kv_transfer_config=kv_transfer_config(), gpu_memory_utilization=0.5, seed=0)
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         rows.append((policy, ttft, second, seconds))
         print(f"{policy:14s} ttft {ttft:.3f} s  token 2 {second:.3f} s  compression {seconds:.3f} s", flush=True)
     full = next((t for p, t, _, _ in rows if p == "full"), None)
-    lines = [f"Bundled SmolLM2-135M (fp32, vLLM CPU, 2 cores), {args.prompt_len}-token random prompt, ratio "
+    lines = [f"{model_line(args.model)}, {args.prompt_len}-token random prompt, ratio "
              f"{args.ratio:g}, one request at a time, medians of {args.runs}.", "",
              "| policy | TTFT (s) | vs full | token 2 (s) | compression (s) | compression / TTFT |",
              "|---|---|---|---|---|---|"]

@@ -22,7 +22,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_kvcomp.bench.common import module_main, write_report
+from vllm_kvcomp.bench.common import model_line, module_main, write_report
 from vllm_kvcomp.bench.serving import gauges, header_for, served, stream_completion
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -39,7 +39,7 @@ class Turn:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="model folder (default: the bundled SmolLM2)")
+    parser.add_argument("--model", default=None, help="model folder or fetchable name, e.g. gemma-3-270m (default: the bundled SmolLM2)")
     parser.add_argument("--served-name", default=MODEL_NAME)
     parser.add_argument("--configs", default="full,snapkv:0.25,lagkv:0.25", help="comma list of policy[:ratio]")
     parser.add_argument("--doc-len", type=int, default=2048)
@@ -102,7 +102,7 @@ def _median(runs: list[list[Turn]], turn: int, field: str) -> float:
 
 def _report(args, results: dict[str, list[list[Turn]]]) -> str:
     full = results.get("full")
-    lines = [f"Bundled SmolLM2-135M (fp32, vLLM CPU, 2 cores), block size 32, prefix caching on; "
+    lines = [f"{model_line(args.model)}, block size 32, prefix caching on; "
              f"{args.doc_len}-token document, {args.turns} turns of {args.question_len}-token questions and "
              f"{args.answer_len}-token answers; medians of {args.conversations} conversations per config "
              "(each its own document), one request at a time.", "",

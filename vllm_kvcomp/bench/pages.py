@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_kvcomp.bench.common import module_main, write_report
+from vllm_kvcomp.bench.common import model_line, module_main, write_report
 from vllm_kvcomp.bench.serving import (
     MetricsSampler,
     header_for,
@@ -66,7 +66,7 @@ class Held:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="model folder (default: the bundled SmolLM2)")
+    parser.add_argument("--model", default=None, help="model folder or fetchable name, e.g. gemma-3-270m (default: the bundled SmolLM2)")
     parser.add_argument("--served-name", default=MODEL_NAME)
     parser.add_argument("--phases", default="held,admit,membound",
                         help="comma list of held, admit, membound, limit")
@@ -266,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _report(args, configs, results) -> str:
     held, admit, membound = results["held"], results["admit"], results["membound"]
-    lines = ["Bundled SmolLM2-135M (fp32, vLLM CPU, 2 cores), block size 32, "
+    lines = [f"{model_line(args.model)}, block size 32, "
              f"{args.prompt_len}-token random prompts, through `vllm-kvcomp serve`.", ""]
     if held or admit:
         lines += [_held_header(held, admit), "|" + "---|" * _columns(held, admit)]

@@ -22,14 +22,14 @@ import subprocess
 import sys
 import time
 
-from vllm_kvcomp.bench.common import module_main, write_report
+from vllm_kvcomp.bench.common import model_line, module_main, write_report
 from vllm_kvcomp.policies.registry import streaming_policy_names
 
 POLICIES = streaming_policy_names()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="model folder (default: the bundled SmolLM2)")
+    parser.add_argument("--model", default=None, help="model folder or fetchable name, e.g. gemma-3-270m (default: the bundled SmolLM2)")
     parser.add_argument("--lengths", default="4096", help="prompt lengths (the bundled model has 8K positions)")
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--ratio", type=float, default=0.25)
@@ -89,9 +89,9 @@ def run(args: argparse.Namespace) -> int:
     if args.child:
         _child(args)
         return 0
-    from vllm_kvcomp.models import default_model_dir
+    from vllm_kvcomp.models import resolve_model
 
-    model = args.model or str(default_model_dir())
+    model = resolve_model(args.model)[0]
     lengths = [int(n) for n in args.lengths.split(",")]
     policies = [p for p in args.policies.split(",") if p]
     requests = []
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace, rows: list[dict], small: int) -> str:
     full = {r["n"]: r for r in rows if not r["spec"]}
-    lines = [f"Bundled SmolLM2-135M (fp32, vLLM CPU, 2 cores), block size 32, {args.chunk}-token prefill chunks, "
+    lines = [f"{model_line(args.model)}, block size 32, {args.chunk}-token prefill chunks, "
              "one request at a time, 2 output tokens.", "",
              "| prompt | policy | prefill | peak KV blocks | vs full | prefill s | vs full | vs at-end |",
              "|---|---|---|---|---|---|---|---|"]
