@@ -33,23 +33,25 @@ def test_missing_profile_is_served_uncompressed(engine):
     assert out.kv_transfer_params["kvcomp"]["compressions"] == 0
 
 
-def test_a_policy_that_fails_to_decide_is_served_uncompressed_and_says_why(engine, monkeypatch):
-    """A policy error at the prompt-end compression (a bug, nothing moved yet) must not stop the
-    engine: the request is served exactly as uncompressed, its result names the failure, and the
-    next compressed request compresses."""
+@pytest.mark.parametrize("where", ["score", "compact"])
+def test_a_compression_that_fails_is_served_uncompressed_and_says_why(engine, monkeypatch, where):
+    """An error at the prompt-end compression (a bug, nothing moved yet: the policy's score, or
+    packing its selection into pages) must not stop the engine: the request is served exactly as
+    uncompressed, its result names the failure, and the next compressed request compresses."""
+    from vllm_kvcomp.engine.pages import RequestPages
     from vllm_kvcomp.policies.snapkv import SnapKV
 
     prompt = prompt_ids(300, seed=412)
     reference = generate(engine, [prompt], params(12))[0]
 
-    def broken(self, kv, state):
-        raise ValueError("scores unavailable")
+    def broken(self, *args, **kwargs):
+        raise ValueError(f"{where} unavailable")
 
     with monkeypatch.context() as patch:
-        patch.setattr(SnapKV, "score", broken)
+        patch.setattr(SnapKV if where == "score" else RequestPages, where, broken)
         out = generate(engine, [prompt], params(12, policy="snapkv", ratio=0.25))[0]
     assert _same(out, reference)
     stats = out.kv_transfer_params["kvcomp"]
-    assert stats["applied"] == "none" and "scores unavailable" in stats["reason"], stats
+    assert stats["applied"] == "none" and f"{where} unavailable" in stats["reason"], stats
     after = generate(engine, [prompt_ids(300, seed=413)], params(12, policy="snapkv", ratio=0.25))[0]
     assert after.kv_transfer_params["kvcomp"]["compressions"] == 1

@@ -358,10 +358,10 @@ class KVCompWorker:
             ))
         return inputs
 
-    def _decide_failed(self, rid: str, state: CompressedRequest, err: ValueError) -> None:
-        """The policy could not decide (nothing moved): before the first compaction the request
-        is served uncompressed and its result says why; after it, it keeps what it holds and the
-        next due recompression tries again."""
+    def _compression_failed(self, rid: str, state: CompressedRequest, err: ValueError) -> None:
+        """The policy could not decide or its pages could not be packed (nothing moved): before
+        the first compaction the request is served uncompressed and its result says why; after
+        it, it keeps what it holds and the next due recompression tries again."""
         logger.error("request %s: compression failed: %s", rid, err)
         if not state.pages.compressed:
             self._report.uncompressed[rid] = f"compression failed: {err}"
@@ -394,7 +394,7 @@ class KVCompWorker:
         try:
             selections = state.policy.decide(inputs, state.policy_state)
         except ValueError as err:  # a bug, not bad input: nothing was moved yet, keep serving
-            self._decide_failed(rid, state, err)
+            self._compression_failed(rid, state, err)
             return
         before = torch.stack([kv.valid_lengths() for kv in inputs])  # [L, H]
         kept = [[idx - (kv.num_slots - int(before[layer, h])) for h, idx in enumerate(sel.indices)]
@@ -418,11 +418,9 @@ class KVCompWorker:
         if compacts:
             try:
                 move, pages = state.pages.compact(kept, block_ids, end, destination)
-            except ValueError as err:  # a bug, not bad input: keep serving, uncompressed
-                logger.error("request %s left uncompressed: %s", rid, err)
-                state.spec = CompressionSpec()
-                self._report.copied[rid] = {}
-                state.lifecycle.compressed()
+            except ValueError as err:  # a bug, not bad input: nothing was moved yet, keep serving
+                self._report.copied.pop(rid, None)  # no spare was written: they all go back
+                self._compression_failed(rid, state, err)
                 return
             self.cache.move(move)
             state.pages = pages
