@@ -220,6 +220,12 @@ def fetch_default_model(cache_dir: str | Path | None = None, progress: bool = Tr
     return fetch_model(MODEL_NAME, cache_dir, progress)
 
 
+def served_name(model: str | None) -> str:
+    """The model name ``vllm-kvcomp serve [model]`` answers to without ``--served-model-name``:
+    the bundled model's name, a fetchable model's name, or a folder as given (vLLM's default)."""
+    return MODEL_NAME if model is None else model
+
+
 def resolve_model(model: str | None) -> tuple[str, str | None]:
     """The folder a ``serve`` / ``bench`` model argument names, and the served model name it implies.
 

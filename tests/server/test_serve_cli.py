@@ -91,6 +91,7 @@ def test_no_model_serves_the_bundled_one(monkeypatch, model_dir):
     monkeypatch.setattr(models, "fetch_default_model", lambda: model_dir)
     args = parse([])
     assert args.model == str(model_dir) and args.served_model_name == ["SmolLM2-135M-Instruct"]
+    assert models.served_name(None) == "SmolLM2-135M-Instruct"  # what the benchmarks ask for
     assert parse(["--served-model-name", "mine"]).served_model_name == ["mine"]
 
 
@@ -100,6 +101,9 @@ def test_a_fetchable_model_by_name(monkeypatch, model_dir, tmp_path):
     args = parse(["gemma-3-270m"])
     assert args.model == str(model_dir) and args.served_model_name == ["gemma-3-270m"] and fetched == ["gemma-3-270m"]
     assert args.model_tag == str(model_dir)  # what vLLM's serve command loads
+    assert models.served_name("gemma-3-270m") == "gemma-3-270m"
+    assert parse([str(model_dir)]).served_model_name is None  # vLLM's default: the folder as given
+    assert models.served_name(str(model_dir)) == str(model_dir)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "gemma-3-270m").mkdir()  # a folder of that name here wins
     assert parse(["gemma-3-270m"]).model == "gemma-3-270m" and fetched == ["gemma-3-270m"]

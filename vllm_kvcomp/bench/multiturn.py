@@ -23,9 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_kvcomp.bench.common import model_line, module_main, write_report
-from vllm_kvcomp.bench.serving import gauges, header_for, served, stream_completion
+from vllm_kvcomp.bench.serving import gauges, header_for, kv_cache_groups, served, stream_completion
 
-MODEL_NAME = "SmolLM2-135M-Instruct"
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 
 
@@ -40,7 +39,8 @@ class Turn:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model folder or fetchable name, e.g. gemma-3-270m (default: the bundled SmolLM2)")
-    parser.add_argument("--served-name", default=MODEL_NAME)
+    parser.add_argument("--served-name", default=None,
+                        help="the name the server answers to (default: what `vllm-kvcomp serve MODEL` names it)")
     parser.add_argument("--configs", default="full,snapkv:0.25,lagkv:0.25", help="comma list of policy[:ratio]")
     parser.add_argument("--doc-len", type=int, default=2048)
     parser.add_argument("--turns", type=int, default=4)
@@ -77,10 +77,13 @@ async def _conversation(url: str, args, header: str | None, seed: int) -> list[T
 
 
 def run(args: argparse.Namespace) -> int:
+    from vllm_kvcomp.models import served_name
+
+    args.served_name = args.served_name or served_name(args.model)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     results: dict[str, list[list[Turn]]] = {}
     max_len = args.doc_len + args.turns * (args.question_len + args.answer_len) + 64
-    pool = (args.conversations * len(configs) + 2) * (-(-max_len // 32))
+    pool = (args.conversations * len(configs) + 2) * (-(-max_len // 32)) * kv_cache_groups(args.model)
     with served(args.model, pool, 4, max_len, args.logs / "multiturn.log", prefix_caching=True) as url:
         asyncio.run(_conversation(url, args, None, seed=0))  # warm-up
         for i, config in enumerate(configs):

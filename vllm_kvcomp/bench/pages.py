@@ -55,7 +55,6 @@ def configs() -> list[tuple[str, str, str]]:
 
 USAGE = "vllm:kv_cache_usage_perc"
 RUNNING = "vllm:num_requests_running"
-MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 @dataclass
@@ -67,7 +66,8 @@ class Held:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model folder or fetchable name, e.g. gemma-3-270m (default: the bundled SmolLM2)")
-    parser.add_argument("--served-name", default=MODEL_NAME)
+    parser.add_argument("--served-name", default=None,
+                        help="the name the server answers to (default: what `vllm-kvcomp serve MODEL` names it)")
     parser.add_argument("--phases", default="held,admit,membound",
                         help="comma list of held, admit, membound, limit")
     parser.add_argument("--limit-lengths", default="2048,8000",
@@ -80,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, default=2048)
     parser.add_argument("--decode-tokens", type=int, default=96, help="held: output tokens per stream")
     parser.add_argument("--streams", type=int, default=4)
-    parser.add_argument("--admit-pool", type=int, default=16 * 66, help="admit: KV blocks (16 full requests)")
+    parser.add_argument("--admit-pool", type=int, default=16 * 66, help="admit: KV blocks (16 full requests; x the model's KV-cache groups)")
     parser.add_argument("--admit-requests", type=int, default=64)
     parser.add_argument("--admit-ratios", default="0.25", help="admit: ratios to run (each costs ~5 min)")
     parser.add_argument("--admit-seconds", type=float, default=240,
@@ -88,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admit-tokens", type=int, default=128,
                         help="admit: output tokens per request (long enough that the pool, not the prefill rate, "
                              "bounds how many run at once)")
-    parser.add_argument("--membound-pool", type=int, default=2 * 72, help="membound: KV blocks (~2 full)")
+    parser.add_argument("--membound-pool", type=int, default=2 * 72, help="membound: KV blocks (~2 full; x the model's KV-cache groups)")
     parser.add_argument("--membound-clients", type=int, default=8)
     parser.add_argument("--membound-tokens", type=int, default=256)
     parser.add_argument("--membound-ratio", type=float, default=0.25)
@@ -221,7 +221,8 @@ def _phase_admit(args, configs) -> dict:
     ratios = {float(r) for r in args.admit_ratios.split(",")}
     configs = [c for c in configs if c[3] in ratios]
     out: dict = {}
-    with served(args.model, args.admit_pool, args.admit_requests, args.prompt_len + 64, args.logs / "admit.log") as url:
+    pool = args.admit_pool * kv_cache_groups(args.model)
+    with served(args.model, pool, args.admit_requests, args.prompt_len + 64, args.logs / "admit.log") as url:
         out["full"] = asyncio.run(_peak_running(url, args, None, seed=3))
         for i, (label, policy, extra, ratio) in enumerate(configs):
             out[(label, ratio)] = asyncio.run(_peak_running(url, args, header_for(policy, ratio, extra), seed=20 + i))
@@ -239,7 +240,8 @@ def _phase_membound(args, configs) -> dict:
     out: dict = {}
     max_len = args.prompt_len + args.membound_tokens + 32
     labels = [c for c in configs if c[3] == configs[0][3]]
-    with served(args.model, args.membound_pool, args.membound_clients, max_len, args.logs / "membound.log") as url:
+    pool = args.membound_pool * kv_cache_groups(args.model)
+    with served(args.model, pool, args.membound_clients, max_len, args.logs / "membound.log") as url:
         out["full"] = [asyncio.run(_throughput(url, args, None, seed=4))]
         for i, (label, policy, extra, _) in enumerate(labels):
             header = header_for(policy, args.membound_ratio, extra)
@@ -250,6 +252,9 @@ def _phase_membound(args, configs) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    from vllm_kvcomp.models import served_name
+
+    args.served_name = args.served_name or served_name(args.model)
     configs = _configs(args)
     phases = {p.strip() for p in args.phases.split(",")}
     results = {
