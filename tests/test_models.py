@@ -180,7 +180,7 @@ def test_gemma3_config_fields():
 
 def test_gemma3_ships_razor_and_pod_profiles():
     """The profile store holds razor and pod profiles for the converted Gemma 3 270M (made by
-    `vllm-kvcomp calibrate --store`, docs/results/gemma3_270m.md) under the identity of the
+    `vllm-kvcomp calibrate --store`, docs/model.md "Gemma 3 270M") under the identity of the
     config this converter writes."""
     from vllm_kvcomp.calibration.profiles import STORE, ModelIdentity, load_profile
 

@@ -7,7 +7,7 @@ each remaining piece has its spaces written as ``▁`` and is split into charact
 adjacent pair whose concatenation is the vocabulary token of highest score (leftmost on ties) is
 merged until none is left (``llm_tokenizer_spm_session``); a character outside the vocabulary
 becomes its ``<0xXX>`` byte tokens. Checked against llama.cpp itself on 2270 texts for Gemma 3
-270M's vocabulary (docs/results/gemma3_270m.md).
+270M's vocabulary (a one-off check, not kept in the repository).
 """
 
 from __future__ import annotations
