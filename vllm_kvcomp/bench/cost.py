@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from vllm_kvcomp.engine.plugin import kv_transfer_config
     from vllm_kvcomp.models import resolve_model
 
-    llm = LLM(model=resolve_model(args.model)[0], dtype="float32", enforce_eager=True, block_size=32,
+    llm = LLM(model=resolve_model(args.model), dtype="float32", enforce_eager=True, block_size=32,
               max_model_len=args.prompt_len + 64, max_num_batched_tokens=max(2048, args.prompt_len),
               distributed_executor_backend="uni", enable_prefix_caching=False,
               kv_transfer_config=kv_transfer_config(), gpu_memory_utilization=0.5, seed=0)

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from vllm_kvcomp.models import resolve_model
 
-    model = resolve_model(args.model)[0]
+    model = resolve_model(args.model)
     lengths = [int(n) for n in args.lengths.split(",")]
     policies = [p for p in args.policies.split(",") if p]
     requests = []

@@ -202,7 +202,7 @@ def refusal(model: str | None, header: str | None) -> str | None:
     from vllm_kvcomp.server import protocol
     from vllm_kvcomp.server.operator_config import OperatorConfig
 
-    config = OperatorConfig.for_server(None, resolve_model(model)[0])  # the folder the server loads
+    config = OperatorConfig.for_server(None, resolve_model(model))  # the folder the server loads
     try:
         protocol.resolve(config, [header], {})
     except protocol.RequestError as err:
@@ -217,7 +217,7 @@ def kv_cache_groups(model: str | None) -> int:
     Benchmarks size their pools (one group's blocks per request) times this."""
     from vllm_kvcomp.models import resolve_model
 
-    config = json.loads((Path(resolve_model(model)[0]) / "config.json").read_text())
+    config = json.loads((Path(resolve_model(model)) / "config.json").read_text())
     types = config.get("layer_types") or []
     counts = [types.count(kind) for kind in set(types)]
     return len(types) // min(counts) if len(counts) > 1 else 1

@@ -31,7 +31,7 @@ from typing import Any
 
 from vllm_kvcomp import vllm_compat
 from vllm_kvcomp.engine.plugin import CONNECTOR_NAME, kv_transfer_config
-from vllm_kvcomp.models import ModelError, resolve_model
+from vllm_kvcomp.models import ModelError, resolve_model, served_name
 from vllm_kvcomp.server.operator_config import ConfigError, OperatorConfig
 
 DESCRIPTION = "vLLM's OpenAI-compatible server with per-request KV-cache compression (docs/server.md)."
@@ -67,9 +67,10 @@ def prepare(args: argparse.Namespace, vllm_defaults: dict[str, Any], on_cpu: boo
     """Fill in the model, platform defaults, connector, middleware and the checked config path."""
     from vllm.config import KVTransferConfig
 
-    args.model, served_name = resolve_model(args.model_tag or args.model)
-    if args.served_model_name is None and served_name is not None:
-        args.served_model_name = [served_name]
+    requested = args.model_tag or args.model
+    args.model = resolve_model(requested)
+    if args.served_model_name is None and served_name(requested) != args.model:  # else vLLM's default
+        args.served_model_name = [served_name(requested)]
     defaults = dict(vllm_defaults)
     if on_cpu:
         defaults.update(cpu_defaults(args.model))
