@@ -102,3 +102,24 @@ def test_context_scope_matches_oracle(engine, oracle_model):
     spec = {**SPECS["snapkv"], "window": 32, "scope": "context", "context_tokens": 700}
     out = generate(engine, [prompt], params(MAX_TOKENS, policy="snapkv", **spec))[0]
     _assert_same(out, _oracle(engine, oracle_model, prompt, "snapkv", **spec), "chunked snapkv scope=context")
+
+
+def test_one_shot_policies_asked_to_recompress_match_oracle(engine, oracle_model):
+    """``decode=recompress``: every one-shot method that may recompress, in one batch, cuts its
+    generated tokens back to its prompt budget as the oracle does (a recompression is due once a
+    page is over the budget: within 40 tokens)."""
+    from vllm_kvcomp.engine.policy_factory import PolicyFactory
+    from vllm_kvcomp.oracle import generate as oracle_generate
+    from vllm_kvcomp.policies.registry import recompressing_policy_names
+
+    tokens = 40
+    names = [n for n in recompressing_policy_names() if not get_policy_class(n).RECOMPRESSES]
+    specs = [{"policy": n, **SPECS[n], "decode": "recompress"} for n in names]
+    prompts = [prompt_ids(PROMPT_LEN - 3 * i, seed=800 + i) for i in range(len(names))]
+    outs = generate(engine, prompts, [params(tokens, **spec) for spec in specs])
+    factory = PolicyFactory(str(engine.model_dir))
+    for spec, prompt, out in zip(specs, prompts, outs):
+        policy = factory.build(CompressionSpec.from_mapping(spec))
+        expected = oracle_generate(oracle_model, prompt, policy, tokens, block_size=BLOCK_SIZE)
+        _assert_same(out, expected, f"{spec['policy']} decode=recompress")
+        assert out.kv_transfer_params["kvcomp"]["compressions"] == len(expected.compressions) >= 2, spec["policy"]

@@ -191,6 +191,20 @@ def cases(keep: Callable[[Policy], bool] = lambda policy: True) -> list:
 CASES = cases()
 
 
+def recompressing_cases() -> list:
+    """Every case whose policy recompresses during decode: its own (``RECOMPRESSES``), or asked
+    to with ``decode=recompress`` (label suffix ``decode=recompress``)."""
+    out = []
+    for (label, name, settings), in (c.values for c in CASES):
+        cls = get_policy_class(name)
+        if cls.RECOMPRESSES:
+            out.append(pytest.param((label, name, settings), id=label.replace(" ", "-")))
+        elif cls.CAN_RECOMPRESS:
+            case = (f"{label} decode=recompress", name, {**settings, "decode": "recompress"})
+            out.append(pytest.param(case, id=case[0].replace(" ", "-")))
+    return out
+
+
 def make_case(case: tuple[str, str, Mapping[str, Any]]) -> Policy:
     """The policy of a (label, policy name, spec settings) case, by :func:`make_policy`."""
     _, name, settings = case
@@ -222,7 +236,7 @@ def compressions(policy: Policy, request: FakeRequest, decode_steps: int = 0) ->
         if step:
             request.decode_step()
             steps_since += 1
-            if not (policy.RECOMPRESSES and policy.due(state, request.max_live(), steps_since)):
+            if not (policy.recompresses and policy.due(state, request.max_live(), steps_since)):
                 continue
         layers = request.inputs(policy)
         selections = policy.decide(layers, state)

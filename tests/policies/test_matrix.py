@@ -19,11 +19,12 @@ from tests.policies.conftest import (
     keeps_budget_per_head,
     make_case,
     protected_slots,
+    recompressing_cases,
 )
 from vllm_kvcomp.policies.base import Policy, RequestState, ScorePolicy, SlotMemory
 from vllm_kvcomp.policies.registry import NO_COMPRESSION_WORDS
 
-RECOMPRESSING = cases(lambda policy: policy.RECOMPRESSES)
+RECOMPRESSING = recompressing_cases()
 PER_HEAD_BUDGET = cases(keeps_budget_per_head)
 
 
@@ -191,7 +192,7 @@ def test_page_rounding_keeps_a_superset_on_the_page_grid(case, n, group, fake_re
     for _ in range(30):
         request.decode_step()
         steps_since += 1
-        if policy.RECOMPRESSES and policy.due(state, request.max_live(), steps_since):
+        if policy.recompresses and policy.due(state, request.max_live(), steps_since):
             state.page_quantum = (block_size, request.next_position % block_size)
             layers = request.inputs(policy)
             selections = policy.decide(layers, state)

@@ -75,7 +75,7 @@ def test_two_ranks_keep_what_one_rank_keeps(case, fake_request):
     for step in range(40):
         if step:
             request.decode_step()
-            due = one.RECOMPRESSES and one.due(whole_state, request.max_live(), step)
+            due = one.recompresses and one.due(whole_state, request.max_live(), step)
             if not due:
                 continue
             for state in (whole_state, *states):

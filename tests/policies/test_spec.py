@@ -237,8 +237,9 @@ def specs(draw):
         return CompressionSpec.from_mapping(mapping)
     except SpecError as err:  # only cross-field rules may reject a per-field valid mapping
         # pod: budget >= sink + window; streaming; lagkv: lag >= 2; criticalkv: another inner's key;
-        # context_tokens only with scope=context
-        assert err.field in ("window", "kernel", "budget", "prefill", "lag", "sink", "observe", "context_tokens")
+        # context_tokens only with scope=context; decode=recompress not with scope=context, pod or full
+        assert err.field in ("window", "kernel", "budget", "prefill", "lag", "sink", "observe", "context_tokens",
+                             "decode")
         return CompressionSpec.from_mapping({"policy": name})
 
 

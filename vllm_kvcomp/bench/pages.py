@@ -75,7 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit-repeats", type=int, default=1,
                         help="limit: pairs (compressed, its limit) per config on new prompts; each side's best "
                              "counts (a shared machine's noise is ±10%% per run)")
-    parser.add_argument("--policies", default=",".join(c[0] for c in configs()), help="config labels to run")
+    parser.add_argument("--policies", default=",".join(c[0] for c in configs()),
+                        help="config labels to run; LABEL:SETTINGS adds header settings to one, e.g. "
+                             "snapkv:decode=recompress (several: snapkv:decode=recompress;window=16)")
     parser.add_argument("--ratios", default="0.5,0.25,0.125")
     parser.add_argument("--prompt-len", type=int, default=2048)
     parser.add_argument("--decode-tokens", type=int, default=96, help="held: output tokens per stream")
@@ -96,8 +98,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _configs(args: argparse.Namespace) -> list[tuple[str, str, str, float]]:
-    wanted = [p.strip() for p in args.policies.split(",") if p.strip()]
+    """(label, policy, header settings, ratio) of every ``--policies`` entry at every ratio, in
+    the registry's order; an entry ``LABEL:SETTINGS`` is LABEL's config with SETTINGS added
+    (label ``LABEL SETTINGS``), next to LABEL's own when both are asked for."""
     known = configs()
+    wanted: dict[str, list[str]] = {}
+    for entry in (p.strip() for p in args.policies.split(",")):
+        if entry:
+            label, _, settings = entry.partition(":")
+            wanted.setdefault(label.strip(), []).append(settings.strip())
     unknown = set(wanted) - {c[0] for c in known}
     if unknown:
         raise SystemExit(f"--policies: unknown {sorted(unknown)} (choose from {', '.join(c[0] for c in known)})")
@@ -105,11 +114,14 @@ def _configs(args: argparse.Namespace) -> list[tuple[str, str, str, float]]:
     out = []
     for ratio in ratios:
         for label, policy, extra in known:
-            why = refusal(args.model, header_for(policy, ratio, extra)) if label in wanted else "not asked for"
-            if why is None:
-                out.append((label, policy, extra, ratio))
-            elif label in wanted:  # e.g. razor below its retrieval heads' share: the server says 400
-                print(f"skip {label} at {ratio:g}: the server refuses it: {why}", flush=True)
+            for settings in wanted.get(label, ()):
+                header = "; ".join(p for p in (extra, settings) if p)
+                name = f"{label} {settings}" if settings else label
+                why = refusal(args.model, header_for(policy, ratio, header))
+                if why is None:
+                    out.append((name, policy, header, ratio))
+                else:  # e.g. razor below its retrieval heads' share: the server says 400
+                    print(f"skip {name} at {ratio:g}: the server refuses it: {why}", flush=True)
     return out
 
 
@@ -198,7 +210,7 @@ def _phase_held(args, configs) -> dict:
         for i, (label, policy, extra, ratio) in enumerate(configs):
             out[(label, ratio)] = asyncio.run(_held_one(url, args, header_for(policy, ratio, extra), seed=10 + i))
             print(f"held  {label:16s} {ratio:<6g} {out[(label, ratio)]}", flush=True)
-        out["full"].append(asyncio.run(_held_one(url, args, None, seed=2)))
+        out["full"].append(asyncio.run(_held_one(url, args, None, seed=8)))  # new prompts: no cache hits
     return out
 
 
@@ -247,7 +259,7 @@ def _phase_membound(args, configs) -> dict:
             header = header_for(policy, args.membound_ratio, extra)
             out[label] = asyncio.run(_throughput(url, args, header, seed=30 + i))
             print(f"membound {label:16s} {out[label]:.1f} tok/s (full {out['full'][0]:.1f})", flush=True)
-        out["full"].append(asyncio.run(_throughput(url, args, None, seed=4)))
+        out["full"].append(asyncio.run(_throughput(url, args, None, seed=5)))  # new prompts: no cache hits
     return out
 
 

@@ -47,12 +47,12 @@ def span(param: Any) -> str:
     return f"{low}–{high}"
 
 #: spec keys every policy accepts alike, left out of the rows
-SHARED = ("scope", "context_tokens")
+SHARED = ("scope", "context_tokens", "decode")
 
 
 def parameters(name: str) -> str:
     """``key=default (range)`` for every key a spec may set, ``prefill`` last, ``;``-separated;
-    ``scope`` and ``context_tokens`` (every policy's, the same) are described above the table."""
+    ``scope``, ``context_tokens`` and ``decode`` (every policy's, the same) are described above the table."""
     cls = get_policy_class(name)
     defaults = {f.name: f.default for f in fields(cls) if f.default is not MISSING}
     accepted = cls.accepted_params()

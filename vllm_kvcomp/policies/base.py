@@ -336,8 +336,13 @@ CONTEXT_PARAM = Param(
     help="scope=context: how many leading prompt tokens are the context (chat routes: the server counts "
     "everything before the last user message; default: the whole prompt)",
 )
+DECODE_PARAM = Param(
+    "decode", str, None, choices=("keep", "recompress"),
+    help="the generated tokens: keep them all, or recompress back to the prompt's budget whenever a page is over it "
+    "(bounded memory for long outputs); default: the method's own (recompress where it says so)",
+)
 #: spec settings every policy accepts, besides its own
-BASE_PARAMS: dict[str, Param] = {p.name: p for p in (PREFILL_PARAM, SCOPE_PARAM, CONTEXT_PARAM)}
+BASE_PARAMS: dict[str, Param] = {p.name: p for p in (PREFILL_PARAM, SCOPE_PARAM, CONTEXT_PARAM, DECODE_PARAM)}
 
 
 @dataclass
@@ -363,8 +368,11 @@ class Policy:
     #: Named non-default settings that benchmarks and the shared tests run next to the defaults
     #: (label suffix -> spec settings), e.g. ``{"adaptive": {"heads": "adaptive"}}``.
     VARIANTS: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
-    #: True if the policy recompresses during decode at ``interval``.
+    #: True if the method recompresses during decode at ``interval`` (``decode`` unset).
     RECOMPRESSES: ClassVar[bool] = False
+    #: False if a second compression of the same request would not keep what the method keeps
+    #: (``decode=recompress`` is then refused).
+    CAN_RECOMPRESS: ClassVar[bool] = True
     #: Name of a calibration profile kind the policy needs ("razor", "pod") or None.
     PROFILE: ClassVar[str | None] = None
     #: True if compressing after every prefill chunk keeps what compressing the whole prompt at
@@ -378,6 +386,7 @@ class Policy:
     prefill: str = field(default="end", kw_only=True)
     scope: str = field(default="all", kw_only=True)
     context_tokens: int | None = field(default=None, kw_only=True)
+    decode: str | None = field(default=None, kw_only=True)
 
     @classmethod
     def accepted_params(cls) -> dict[str, Param]:
@@ -417,6 +426,14 @@ class Policy:
         if policy.context_tokens is not None and policy.scope != "context":
             raise SpecError("context_tokens", "says where the context ends, which only scope=context reads",
                             "scope=context with context_tokens, or neither")
+        if policy.decode == "recompress":
+            if policy.scope == "context":
+                raise SpecError("decode", "scope=context keeps every token after the context", "keep")
+            if not cls.CAN_RECOMPRESS:
+                from vllm_kvcomp.policies.registry import recompressing_policy_names
+
+                raise SpecError("decode", f"policy {cls.name!r} cannot recompress during decode",
+                                "keep; or recompress with " + ", ".join(recompressing_policy_names()))
         return policy
 
     def check(self) -> None:
@@ -432,9 +449,11 @@ class Policy:
 
     @property
     def recompresses(self) -> bool:
-        """Whether the engine asks :meth:`due` during decode: ``RECOMPRESSES`` and ``scope=all``
-        (``scope=context`` compresses the context once and keeps every token after it)."""
-        return self.RECOMPRESSES and self.scope == "all"
+        """Whether the engine asks :meth:`due` during decode: ``decode=recompress`` (unset: the
+        method's ``RECOMPRESSES``) and ``scope=all`` (``scope=context`` compresses the context
+        once and keeps every token after it)."""
+        wanted = self.RECOMPRESSES if self.decode is None else self.decode == "recompress"
+        return wanted and self.scope == "all"
 
     def queries_needed(self) -> int:
         """How many trailing queries per layer the policy reads (0 = attention-free)."""
@@ -483,7 +502,8 @@ class Policy:
         return self.prefill_budget(prompt_len)
 
     def due(self, state: RequestState, num_tokens: int, steps_since: int) -> bool:
-        """Whether to recompress now, during decode (only asked if ``RECOMPRESSES``)."""
+        """Whether to recompress now, during decode (only asked if :attr:`recompresses`): every
+        ``interval`` steps (a policy without one: every step) once a page is over the budget."""
         interval = getattr(self, "interval", None) or 1
         return steps_since >= interval and state.over_budget(num_tokens)
 

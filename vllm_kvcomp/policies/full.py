@@ -12,6 +12,7 @@ from vllm_kvcomp.policies.base import LayerKV, Policy, RequestState, Selection
 class Full(Policy):
     name: ClassVar[str] = "full"
     KEEPS: ClassVar[str] = "everything"
+    CAN_RECOMPRESS: ClassVar[bool] = False
 
     def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
         return Selection.keep_valid(kv)

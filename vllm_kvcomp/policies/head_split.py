@@ -85,6 +85,12 @@ class HeadSplit(Policy):
     def streaming_bound(self, prompt_len: int) -> int | None:
         return None  # retrieval heads keep the whole prompt: the bound depends on the profile
 
+    def due(self, state: RequestState, num_tokens: int, steps_since: int) -> bool:
+        """``decode=recompress``: the retrieval heads hold every token, so the longest head is
+        always over the budget; the others grow one token a step and are a page over theirs a
+        page of steps after the last compression."""
+        return steps_since >= (state.page_quantum[0] if state.page_quantum is not None else 1)
+
     def mean_kept_bound(self, prompt_len: int, num_heads: int | None = None) -> int | None:
         """Retrieval heads keep the prompt, the other ``num_heads - R`` :meth:`others_keep` (razor's
         compensation token is not a cell): ``kept_for(N)`` + 1 at most with ``exact=0`` unless

@@ -112,6 +112,8 @@ class POD(Policy):
     PAPER: ClassVar[str] = "paper 004"
     TEST_PARAMS: ClassVar[Mapping[str, Any]] = {"ratio": 0.5, "sink": 4, "window": 8, "observe": 8}
     PROFILE: ClassVar[str | None] = "pod"
+    #: the gated heads' unused budget is shared out once; a second pass would share it again
+    CAN_RECOMPRESS: ClassVar[bool] = False
     PARAMS: ClassVar[dict[str, Param]] = {
         "tau": Param("tau", float, 0.9, 0.0, 1.0, help="gate threshold: drop distant tokens when g >= tau"),
         "observe": Param("observe", int, 16, 1, 4096, help="trailing prompt queries that score and gate"),

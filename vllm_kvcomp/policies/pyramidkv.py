@@ -23,7 +23,8 @@ layer (the mean drifts by up to half a token); the sequence over ``T - w`` is th
 and the paper's (the last ``w`` "instruction" tokens are kept in every layer).
 
 Scores: :class:`~vllm_kvcomp.policies.snapkv.SnapKV` (window votes, pooling, ``heads``), applied
-through :class:`~vllm_kvcomp.policies.wrappers.LayerBudgets`. One-shot after prefill.
+through :class:`~vllm_kvcomp.policies.wrappers.LayerBudgets`. One-shot after prefill; with
+``decode=recompress`` every later compression returns each layer to the budget its first gave it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ from vllm_kvcomp.params import Param
 from vllm_kvcomp.policies.base import LayerKV, Policy, RequestState, Selection
 from vllm_kvcomp.policies.snapkv import SnapKV
 from vllm_kvcomp.policies.wrappers import LayerBudgets
+
+
+@dataclass
+class PyramidBudget:
+    """A layer's per-head budget, fixed by the request's first compression."""
+
+    budget: int = 0
 
 
 def pyramid_budgets(num_layers: int, target: int, length: int, window: int, beta: int) -> list[int]:
@@ -99,12 +107,15 @@ class PyramidKV(Policy):
     def select(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
         if not layers:
             return []
-        longest = max(int(kv.valid_lengths().max()) for kv in layers)
-        target = self.target_budget(longest)
-        ordered = sorted(layers, key=lambda kv: kv.layer)
-        budgets = [target] * layers[0].num_layers  # layers not given (sliding-window ones) are never read
-        for kv, budget in zip(ordered, pyramid_budgets(len(ordered), target, longest, self.window, self.beta)):
-            budgets[kv.layer] = budget
+        if state.budget is None:  # the first compression lays the pyramid over the prompt
+            longest = max(int(kv.valid_lengths().max()) for kv in layers)
+            ordered = sorted(layers, key=lambda kv: kv.layer)
+            pyramid = pyramid_budgets(len(ordered), self.target_budget(longest), longest, self.window, self.beta)
+            for kv, budget in zip(ordered, pyramid):
+                state.layer(kv.layer, PyramidBudget).budget = budget
+        budgets = [1] * layers[0].num_layers  # layers not given (sliding-window ones) are never read
+        for kv in layers:
+            budgets[kv.layer] = state.layer(kv.layer, PyramidBudget).budget
         return LayerBudgets(inner=self.scorer(), budgets=budgets).select(layers, state)
 
     def commit_kept(self, layers: Sequence[LayerKV], state: RequestState, picks: Sequence[Selection],

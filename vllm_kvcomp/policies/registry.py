@@ -57,6 +57,11 @@ def streaming_policy_names() -> tuple[str, ...]:
     return tuple(name for name in policy_names() if get_policy_class(name).STREAMS)
 
 
+def recompressing_policy_names() -> tuple[str, ...]:
+    """Compressing policies that may recompress during decode (``decode=recompress``)."""
+    return tuple(name for name in compressing_policy_names() if get_policy_class(name).CAN_RECOMPRESS)
+
+
 def policy_variants(names: tuple[str, ...] | None = None) -> list[tuple[str, str, Mapping[str, Any]]]:
     """(label, policy name, spec settings) of each policy in ``names`` (default: all) at its
     defaults (label = the name, no settings), each followed by its ``VARIANTS`` (label

@@ -1,10 +1,35 @@
-"""``vllm-kvcomp bench pages --phases limit``: the report next to the physical limit, without a server."""
+"""``vllm-kvcomp bench pages``: its configs and the report next to the physical limit, without a server."""
 
 from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from vllm_kvcomp.bench import pages
+
+
+def test_a_policies_entry_may_add_settings_next_to_the_plain_config():
+    args = argparse.Namespace(policies="snapkv, snapkv:decode=recompress,pod", ratios="0.25,0.5", model=None)
+    assert pages._configs(args) == [
+        ("snapkv", "snapkv", "", 0.25),
+        ("snapkv decode=recompress", "snapkv", "decode=recompress", 0.25),
+        ("pod", "pod", "", 0.25),
+        ("snapkv", "snapkv", "", 0.5),
+        ("snapkv decode=recompress", "snapkv", "decode=recompress", 0.5),
+        ("pod", "pod", "", 0.5),
+    ]
+    args.policies = "snapkv adaptive:decode=recompress"
+    assert pages._configs(args)[0] == ("snapkv adaptive decode=recompress", "snapkv",
+                                       "heads=adaptive; decode=recompress", 0.25)
+
+
+def test_configs_the_server_would_refuse_are_skipped_and_said(capsys):
+    args = argparse.Namespace(policies="pod:decode=recompress,snapkv", ratios="0.25", model=None)
+    assert pages._configs(args) == [("snapkv", "snapkv", "", 0.25)]
+    assert "skip pod decode=recompress at 0.25" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unknown"):
+        pages._configs(argparse.Namespace(policies="snapkvv:decode=recompress", ratios="0.25", model=None))
 
 
 def test_limit_table_puts_each_config_next_to_full_at_its_kept_length():
