@@ -128,6 +128,26 @@ def test_operator_defaults_fill_in_what_the_request_left_unset(server):
     assert ext["compressions"] == 1 and 0 < ext["tokens_kept"] < 600 and ext["blocks_freed"] > 0
 
 
+def test_decode_recompress_bounds_a_one_shot_policys_long_output(server):
+    """``decode=recompress``: snapkv cuts its generated tokens back to the prompt budget as they
+    pass a page, and says so; the same request without it compresses once."""
+    from tests.server.conftest import BLOCK_SIZE
+
+    runs = {}
+    for seed, extra in ((5, "; decode=recompress"), (6, "")):
+        raw = server.client().completions.with_raw_response.create(
+            model=server.model, prompt=prompt_ids(500, seed=seed), max_tokens=3 * BLOCK_SIZE, temperature=0,
+            extra_headers={HEADER: "snapkv; ratio=0.25" + extra},
+        )
+        runs[extra] = (raw.headers[APPLIED], kv_usage(raw.parse().usage))
+    (applied, ext), (_, once) = runs["; decode=recompress"], runs[""]
+    assert applied == "policy=snapkv; ratio=0.25; decode=recompress" == ext["applied"]
+    assert once["compressions"] == 1 and ext["compressions"] >= 2
+    # back to the prompt's budget (within a page) after evicting generated tokens too
+    assert abs(ext["tokens_kept"] - once["tokens_kept"]) < BLOCK_SIZE
+    assert ext["tokens_evicted"] > once["tokens_evicted"] and ext["kept_fraction"] < once["kept_fraction"]
+
+
 # ---------------------------------------------------------------------------- streaming
 
 
@@ -224,6 +244,8 @@ ERRORS = {
                     "vllm_xargs.kvcomp_window", "integer in [0,"),
     "xargs disallowed": ({}, {"vllm_xargs": {"kvcomp_policy": "entropy"}}, "vllm_xargs.kvcomp_policy",
                          "lagkv"),
+    "recompress a context": ({HEADER: "snapkv; decode=recompress; scope=context; context_tokens=4"}, {},
+                             "X-KV-Compression.decode", "keep"),
     "sources disagree": ({HEADER: "snapkv; ratio=0.5"}, {"kv_compression": {"policy": "snapkv", "ratio": 0.25}},
                          "kv_compression", "one source"),
 }
