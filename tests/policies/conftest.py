@@ -195,7 +195,7 @@ def recompressing_cases() -> list:
     """Every case whose policy recompresses during decode: its own (``RECOMPRESSES``), or asked
     to with ``decode=recompress`` (label suffix ``decode=recompress``)."""
     out = []
-    for (label, name, settings), in (c.values for c in CASES):
+    for label, name, settings in policy_variants():
         cls = get_policy_class(name)
         if cls.RECOMPRESSES:
             out.append(pytest.param((label, name, settings), id=label.replace(" ", "-")))

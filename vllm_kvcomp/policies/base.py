@@ -194,13 +194,17 @@ class RequestState:
         """Every layer's memory of ``kind`` so far."""
         return [m for m in self.layers.values() if isinstance(m, kind)]
 
+    @property
+    def page_size(self) -> int:
+        """Tokens per engine page (1 without a page grid): the least a compaction can free."""
+        return self.page_quantum[0] if self.page_quantum is not None else 1
+
     def over_budget(self, num_tokens: int) -> bool:
         """Whether cutting ``num_tokens`` live tokens back to ``budget`` frees something: on the
         engine's page grid (rounded up to it) only once a whole page is over the budget."""
         if self.budget is None:
             return False
-        step = self.page_quantum[0] if self.page_quantum is not None else 1
-        return num_tokens - self.budget >= step
+        return num_tokens - self.budget >= self.page_size
 
 
 def page_count(kept: int, length: int, quantum: tuple[int, int] | None) -> int:

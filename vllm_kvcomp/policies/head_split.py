@@ -89,7 +89,7 @@ class HeadSplit(Policy):
         """``decode=recompress``: the retrieval heads hold every token, so the longest head is
         always over the budget; the others grow one token a step and are a page over theirs a
         page of steps after the last compression."""
-        return steps_since >= (state.page_quantum[0] if state.page_quantum is not None else 1)
+        return steps_since >= state.page_size
 
     def mean_kept_bound(self, prompt_len: int, num_heads: int | None = None) -> int | None:
         """Retrieval heads keep the prompt, the other ``num_heads - R`` :meth:`others_keep` (razor's
