@@ -4,8 +4,9 @@
 # kernel benchmark. Everything lands in $OUT (default ./gpu_out):
 #   env.txt               card, driver, torch / triton / nvcc versions
 #   build.log             the extension's nvcc build (vllm_kvcomp._C)
-#   tests.txt, tests.xml  pytest on CUDA tensors (the Triton kernels compiled, the extension, CUDA graphs)
-#   bench_kernels.md/json `vllm-kvcomp bench kernels --device cuda` (decode, pages, compact)
+#   tests.txt, tests.xml  pytest on CUDA tensors (the Triton kernels compiled, the extension, CUDA graphs,
+#                         every policy deciding on the device)
+#   bench_kernels.md/json `vllm-kvcomp bench kernels --device cuda` (decode, pages, compact, decide)
 # Usage: bash scripts/gpu_check.sh [extra bench arguments]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,10 +37,11 @@ else
   echo "BUILD FAILED (tail of build.log):"; tail -30 "$OUT/build.log"; status=1
 fi
 
-# Every kernel test on CUDA tensors (the slow cross product too), and the paged cache's.
+# Every kernel test on CUDA tensors (the slow cross product too), the paged cache's, and the
+# policies deciding on the device what they decide on the host.
 echo "== tests on the GPU =="
 "$PY" -m pytest -q -p no:cacheprovider --run-slow --junitxml="$OUT/tests.xml" \
-  tests/kernels tests/engine/test_paged_cache.py > "$OUT/tests.txt" 2>&1 || status=1
+  tests/kernels tests/engine/test_paged_cache.py tests/policies/test_device.py > "$OUT/tests.txt" 2>&1 || status=1
 tail -25 "$OUT/tests.txt"
 
 echo "== bench kernels =="

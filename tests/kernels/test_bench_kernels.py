@@ -12,13 +12,15 @@ import torch
 from tests.kernels.cases import INTERPRET
 from vllm_kvcomp.bench import kernels as bench_kernels
 from vllm_kvcomp.cli import main
+from vllm_kvcomp.policies.registry import policy_variants
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the CPU smoke run needs Triton's interpreter (TRITON_INTERPRET=1)")
 def test_cpu_smoke_run_writes_every_phase(tmp_path: Path, capsys) -> None:
     out, rows_json = tmp_path / "results" / "kernels.md", tmp_path / "rows.json"
     grid = ["--device", "cpu", "--contexts", "40", "--batches", "2", "--kv-heads", "2", "--kept", "0.5"]
-    argv = [*grid, "--head-dim", "32", "--compact-context", "64", "--out", str(out), "--json", str(rows_json)]
+    argv = [*grid, "--head-dim", "32", "--compact-context", "64", "--decide-contexts", "96", "--out", str(out),
+            "--json", str(rows_json)]
     assert main(["bench", "kernels", *argv]) == 0
     text = out.read_text()
     assert text.splitlines()[0] == f"# `vllm-kvcomp bench kernels {' '.join(argv)}`"
@@ -31,8 +33,11 @@ def test_cpu_smoke_run_writes_every_phase(tmp_path: Path, capsys) -> None:
     assert [r["kept"] for r in attend] == [1.0, 0.5]
     assert all(r["extra"]["rel_err"] < 1e-5 for r in attend)  # float32 on CPU: the reference's own rounding
     assert by_phase["compact"] == ["CudaPagedCache.move", "generic read + write", "device copy, same bytes"]
-    assert all(r["ms"] > 0 and r["gbps"] > 0 for r in rows)
-    for title in ("## decode", "## pages", "## compact"):
+    assert by_phase["decide"] == ["read pages to the host", *(label for label, _, _ in policy_variants())]
+    decided = {r["what"]: r for r in rows if r["phase"] == "decide"}
+    assert decided["full"]["kept"] == 1.0 and decided["snapkv"]["kept"] == pytest.approx(0.25, abs=16 / 96)
+    assert all(r["ms"] > 0 and (r["gbps"] > 0 or r["phase"] == "decide") for r in rows)
+    for title in ("## decode", "## pages", "## compact", "## decide"):
         assert title in text
 
 

@@ -16,6 +16,13 @@ Three phases (``--phases``, all by default):
     Packing the kept cells of one request (all layers and KV heads) into its pages
     (``CudaPagedCache.move`` of the move ``RequestPages.compact`` plans) against a device copy of
     the same bytes, and the generic read-then-write move it replaces.
+``decide``
+    The rest of a prompt-end compression, per policy (every registered policy and variant at
+    ``--decide-ratio``), the two ways the worker can run it: **before** (the engine until
+    2026-11-26) it read the request's pages to the host (all layers, ``read_pages`` then
+    ``.cpu()``) and the policy decided there; **now** the policy is given the K/V and queries on
+    the device (it scores there and selects on the host). Both times, the error the device way
+    raises if any, and how many of the host's kept slots it keeps (the scores differ in rounding).
 
 Bandwidth = the bytes a call must move (each KV byte it reads once, q read and out written once;
 a move reads and writes every moved cell) / median time. GPU times come from
@@ -44,10 +51,11 @@ import torch
 
 from vllm_kvcomp.bench.common import module_main, write_report
 
-PHASES = ("decode", "pages", "compact")
+PHASES = ("decode", "pages", "compact", "decide")
 GPU = dict(contexts="4096,16384,32768", batches="1,8,64", kv_heads=8, head_dim=128, layers=32,
-           compact_context=32768)
-CPU = dict(contexts="256,512", batches="1,2", kv_heads=2, head_dim=64, layers=2, compact_context=512)
+           compact_context=32768, decide_contexts="8192,32768")
+CPU = dict(contexts="256,512", batches="1,2", kv_heads=2, head_dim=64, layers=2, compact_context=512,
+           decide_contexts="256")
 CHECK_MAX_BATCH = 8  # the pages phase checks outputs against the reference up to this batch
 
 Measure = Callable[[Callable[[], object]], float]
@@ -78,6 +86,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=int, help="D (default GPU 128, CPU 64)")
     p.add_argument("--layers", type=int, help="layers of the compacted request (default GPU 32, CPU 2)")
     p.add_argument("--compact-context", type=int, help="tokens of the compacted request (default GPU 32768)")
+    p.add_argument("--decide-contexts", help="comma list of prompt lengths of the decide phase "
+                   f"(default GPU {GPU['decide_contexts']}, CPU {CPU['decide_contexts']})")
+    p.add_argument("--decide-ratio", type=float, default=0.25, help="the policies' ratio in the decide phase")
+    p.add_argument("--policies", help="decide phase: comma list of policy labels (default: every policy and variant)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--num-splits", type=int, help="decode key splits (default: the dispatch's heuristic)")
@@ -102,6 +114,9 @@ def _resolve_defaults(a: argparse.Namespace) -> None:
     a.head_dim = a.head_dim or d["head_dim"]
     a.layers = a.layers or d["layers"]
     a.compact_context = a.compact_context or d["compact_context"]
+    a.decide_contexts = [int(x) for x in (a.decide_contexts or d["decide_contexts"]).split(",")]
+    if not 0 < a.decide_ratio < 1:
+        raise SystemExit("--decide-ratio: a fraction strictly between 0 and 1")
     a.iters = a.iters or 1
     a.dtype = getattr(torch, a.dtype)
 
@@ -362,6 +377,138 @@ def bench_compact(a: argparse.Namespace, measure: Measure, copy_gbps: float) -> 
     return rows
 
 
+# ---------------------------------------------------------------------------- phase: decide
+def bench_profiles(layers: int, kv_heads: int, group: int, head_dim: int, seed: int = 4) -> dict:
+    """Calibration data of every profile kind for the benchmark's model shape (the real model is
+    not here): a quarter of the KV heads retrieval heads, layers paired into groups, random gates."""
+    from vllm_kvcomp.calibration.profiles import (
+        HeadGatesProfile,
+        LayerGroupsProfile,
+        ModelIdentity,
+        RetrievalHeadsProfile,
+    )
+
+    model = ModelIdentity.from_config({"model_type": "llama", "num_hidden_layers": layers,
+                                       "num_attention_heads": kv_heads * group, "num_key_value_heads": kv_heads,
+                                       "hidden_size": kv_heads * group * head_dim})
+    gen = torch.Generator().manual_seed(seed)
+    pairs = [(layer, head) for layer in range(layers) for head in range(kv_heads)]
+    retrieval = torch.randperm(len(pairs), generator=gen)[: max(1, len(pairs) // 4)].tolist()
+    gates = torch.rand(layers, kv_heads, generator=gen)
+    return {
+        "razor": RetrievalHeadsProfile(model=model, kv_heads=frozenset(pairs[i] for i in retrieval)),
+        "pod": LayerGroupsProfile(model=model, groups=tuple(tuple(range(i, min(i + 2, layers)))
+                                                            for i in range(0, layers, 2))),
+        "duoattention": HeadGatesProfile(model=model, gates=tuple(tuple(row) for row in gates.tolist())),
+    }
+
+
+def decide_policies(a: argparse.Namespace) -> list[tuple[str, object]]:
+    """(label, policy) of every registered policy and variant (or ``--policies``) at ``--decide-ratio``."""
+    from vllm_kvcomp.calibration.profiles import bind_profile
+    from vllm_kvcomp.policies.registry import get_policy_class, policy_variants
+    from vllm_kvcomp.spec import CompressionSpec
+
+    profiles = bench_profiles(a.layers, a.kv_heads, a.group, a.head_dim)
+    wanted = None if not a.policies else [x.strip() for x in a.policies.split(",") if x.strip()]
+    out = []
+    for label, name, settings in policy_variants():
+        if wanted is not None and label not in wanted:
+            continue
+        cls = get_policy_class(name)
+        ratio = {} if name == "full" else {"ratio": a.decide_ratio}
+        policy = CompressionSpec.from_mapping({"policy": name, **ratio, **settings}).build_policy()
+        out.append((label, policy if cls.PROFILE is None else bind_profile(policy, profiles[cls.PROFILE])))
+    missing = set(wanted or ()) - {label for label, _ in out}
+    if missing:
+        raise SystemExit(f"--policies: unknown {sorted(missing)}")
+    return out
+
+
+def _timed(fn: Callable[[], object], device: str) -> tuple[object, float]:
+    """``fn()`` and its wall-clock milliseconds (the device drained before and after)."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    out = fn()
+    sync()
+    return out, (time.perf_counter() - t0) * 1e3
+
+
+def kept_overlap(host: list, device: list) -> float:
+    """Fraction of the host selections' kept slots the device selections keep too (1.0 = the same)."""
+    same = total = 0
+    for h_sel, d_sel in zip(host, device):
+        for h_idx, d_idx in zip(h_sel.indices, d_sel.indices):
+            h_idx, d_idx = h_idx.cpu(), d_idx.cpu()
+            same += int(torch.isin(h_idx, d_idx).sum())
+            total += h_idx.numel()
+    return same / max(total, 1)
+
+
+def bench_decide(a: argparse.Namespace, n: int) -> list[Row]:
+    """One request of ``n`` prompt tokens in ``--layers`` layers: the worker's read to the host,
+    then each policy's prompt-end ``decide`` on the host and on the device (wall clock; on the
+    device one call after a warm-up)."""
+    from vllm_kvcomp.engine.cache import CudaPagedCache
+    from vllm_kvcomp.engine.pages import RequestPages
+    from vllm_kvcomp.policies.base import LayerKV, RequestState
+
+    dev, hk, g, d, bs, nl = a.device, a.kv_heads, a.group, a.head_dim, a.block_size, a.layers
+    gen = torch.Generator(device=dev).manual_seed(5)
+    per = -(-n // bs)
+    storage = torch.randn(nl, per, hk, bs, 2 * d, generator=gen, device=dev).to(a.dtype)
+    cache = CudaPagedCache([storage[layer] for layer in range(nl)])
+    pages = RequestPages(cache.geometry)
+    tables, lengths = pages.tables(torch.arange(per), n), pages.lengths(n)  # [L, H, W], [L, H]
+    policies = decide_policies(a)
+    window = max(p.queries_needed() for _, p in policies)
+    queries = [torch.randn(hk * g, window, d, generator=gen, device=dev).to(a.dtype) for _ in range(nl)]
+    out_proj = [torch.randn(hk * g, d, hk * g * d, generator=gen, device=dev).to(a.dtype) * d**-0.5
+                for _ in range(nl)] if any(p.NEEDS_OUT_PROJ for _, p in policies) else None
+
+    def read_to_host() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        keys, values = cache.read_pages(tables.to(dev))  # [L, H, W * bs, D]
+        return [(keys[layer, :, :n].cpu(), values[layer, :, :n].cpu()) for layer in range(nl)]
+
+    read_to_host()
+    host_kv, read_ms = _timed(read_to_host, dev)
+    keys, values = cache.read_pages(tables.to(dev))
+    device_kv = [(keys[layer, :, :n].clone(), values[layer, :, :n].clone()) for layer in range(nl)]
+    kv_bytes = 2 * nl * hk * n * d * a.dtype.itemsize
+
+    def layers(kv: list, on: str, policy) -> list[LayerKV]:
+        w = policy.queries_needed()
+        return [LayerKV(keys=k, values=v, layer=layer, num_layers=nl, lengths=lengths[layer],
+                        queries=queries[layer][:, window - w:].to(on) if w else None,
+                        query_positions=torch.arange(n - w, n) if w else None,
+                        out_proj=out_proj[layer] if policy.NEEDS_OUT_PROJ else None)  # the model's, on the device
+                for layer, (k, v) in enumerate(kv)]
+
+    def decide(policy, inputs: list[LayerKV]):
+        state = RequestState(prompt_len=n, page_quantum=(bs, n % bs))
+        return policy.decide(inputs, state)
+
+    rows = [Row("decide", "read pages to the host", n, nl, 1.0, read_ms, kv_bytes / read_ms / 1e6, 0.0,
+                {"host_threads": torch.get_num_threads()})]
+    for label, policy in policies:
+        host_inputs = layers(host_kv, "cpu", policy)
+        host, host_ms = _timed(functools.partial(decide, policy, host_inputs), "cpu")
+        extra: dict = {"read_ms": read_ms}
+        if dev == "cuda":
+            device_inputs = layers(device_kv, dev, policy)
+            try:
+                decide(policy, device_inputs)  # warm-up: kernels, cuBLAS handles
+                on_device, extra["device_ms"] = _timed(functools.partial(decide, policy, device_inputs), dev)
+                extra["overlap"] = kept_overlap(host, on_device)
+            except (RuntimeError, TypeError, ValueError) as err:  # measured: what this policy does on a device
+                extra["device_error"] = str(err).splitlines()[0][:120]
+        kept = sum(len(idx) for sel in host for idx in sel.indices) / (nl * hk * n)
+        rows.append(Row("decide", label, n, nl, kept, host_ms, 0.0, 0.0, extra))
+        print(f"decide N={n} {label}: host {host_ms:.0f} ms, {extra}", flush=True)
+    return rows
+
+
 # ---------------------------------------------------------------------------- report
 def _fmt(extra: dict, key: str, fmt: str) -> str:
     return format(extra[key], fmt) if key in extra else ""
@@ -399,6 +546,25 @@ def markdown(rows: list[Row], copy_gbps: float, device: str) -> str:
             cells = r.extra.get("cells", "")
             out.append(f"| {r.what} | {r.context} | {r.batch} | {r.kept:g} | {cells} | {r.ms:.3f} | {r.gbps:.4g} "
                        f"| {r.pct_copy:.1f}% | {vs} |")
+    decide = [r for r in rows if r.phase == "decide"]
+    if decide:
+        out += ["", "## decide: the rest of a prompt-end compression, per policy", "",
+                "before = the worker's read of the request's pages to the host (all layers) + the policy's decide "
+                "on those host tensors (the engine until 2026-11-26); now = the same decide given the K/V and "
+                "queries on the device; same kept = the share of the host's kept slots the device way keeps", ""]
+        out += [f"- N = {r.context}: read {r.ms:.1f} ms ({r.gbps:.1f} GB/s), host decide on "
+                f"{r.extra['host_threads']} torch threads" for r in decide if "host_threads" in r.extra]
+        out += ["", "| policy | N | layers | kept | read ms | host decide ms | before ms | now ms | now / before "
+                "| same kept | device error |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for r in decide:
+            if "read_ms" not in r.extra:
+                continue
+            before = r.extra["read_ms"] + r.ms
+            now = r.extra.get("device_ms")
+            ratio = f"{now / before:.3f}x" if now is not None else ""
+            out.append(f"| {r.what} | {r.context} | {r.batch} | {r.kept:.3f} | {r.extra['read_ms']:.1f} | {r.ms:.1f} "
+                       f"| {before:.1f} | {_fmt(r.extra, 'device_ms', '.1f')} | {ratio} "
+                       f"| {_fmt(r.extra, 'overlap', '.4f')} | {r.extra.get('device_error', '')} |")
     return "\n".join(out)
 
 
@@ -429,6 +595,11 @@ def run(a: argparse.Namespace) -> int:
                 torch.cuda.empty_cache()
     if "compact" in a.phases:
         rows += bench_compact(a, measure, copy_gbps)
+    if "decide" in a.phases:
+        for n in a.decide_contexts:
+            rows += bench_decide(a, n)
+            if a.device == "cuda":
+                torch.cuda.empty_cache()
     device = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
     table = markdown(rows, copy_gbps, device)
     print(table)

@@ -327,7 +327,10 @@ class KVCompWorker:
             self._compress(rid, state, sched, end, decode=True)
 
     def _layer_inputs(self, state: CompressedRequest, block_ids: torch.Tensor, end: int) -> list[LayerKV]:
-        """Every layer's live K/V, right-aligned per head as policies expect (read on the host)."""
+        """Every layer's live K/V, right-aligned per head as policies expect: K/V and queries on
+        the cache's device (policies score there and select on the host; reading a 32K-token
+        request of an 8B model back to the host cost 2.8 s on an H100, docs/results/gpu_decide.md),
+        lengths and positions on the host."""
         tables, lengths = state.pages.tables(block_ids, end), state.pages.lengths(end)  # [L, H, W], [L, H]
         n = int(lengths.max())
         # a head's virtual sequence is its table's pages in order: read whole pages, one gather
@@ -348,9 +351,9 @@ class KVCompWorker:
                 length = int(lengths[layer, head])
                 positions[head, width - length :] = state.pages.positions(layer, head, length)
             window = state.windows[layer]
-            queries = None if window.queries is None else window.queries.transpose(0, 1).cpu()
-            inputs.append(LayerKV(  # policies score on the host (a no-op copy on CPU); layers by model index
-                keys=full_k[layer, :, n - width :].cpu(), values=full_v[layer, :, n - width :].cpu(),
+            queries = None if window.queries is None else window.queries.transpose(0, 1)
+            inputs.append(LayerKV(  # layers by model index
+                keys=full_k[layer, :, n - width :], values=full_v[layer, :, n - width :],
                 layer=self.model_layers[layer], num_layers=self.num_model_layers, lengths=lengths[layer],
                 positions=positions, queries=queries,
                 query_positions=window.positions, scale=self.variants[layer].scale,
@@ -392,7 +395,7 @@ class KVCompWorker:
         inputs = self._layer_inputs(state, block_ids, end)
         state.policy_state.page_quantum = (self.block_size, end % self.block_size)
         try:
-            selections = state.policy.decide(inputs, state.policy_state)
+            selections = [sel.cpu() for sel in state.policy.decide(inputs, state.policy_state)]
         except ValueError as err:  # a bug, not bad input: nothing was moved yet, keep serving
             self._compression_failed(rid, state, err)
             return

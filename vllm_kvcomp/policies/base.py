@@ -12,6 +12,11 @@ keep (counts may differ per head) and optional compensation entries (k̂, v̂, N
 
 GQA reduction rule: query-head statistics reduce to their KV head by the **mean over the query
 group** (query head q belongs to KV head ``q // (H_q // H_kv)``), see :func:`reduce_gqa`.
+
+Devices: keys, values, queries and the output projection are where the engine's cache is (a GPU
+in production: policies score there); lengths, positions and per-request memory are on the host,
+where the selection runs from [H_kv, N] scores. ``tests/policies/test_device.py`` (GPU) holds
+every policy to the same decision both ways.
 """
 
 from __future__ import annotations
@@ -128,6 +133,13 @@ class Selection:
     def counts(self) -> torch.Tensor:
         return torch.tensor([len(i) for i in self.indices], dtype=torch.long)
 
+    def cpu(self) -> Selection:
+        """This selection on the host (the engine plans its moves there): indices and compensation."""
+        comp = self.compensation
+        if comp is not None:
+            comp = Compensation(comp.keys.cpu(), comp.values.cpu(), comp.counts.cpu())
+        return Selection([idx.cpu() for idx in self.indices], comp, self.priority)
+
     @classmethod
     def keep_valid(cls, kv: LayerKV) -> Selection:
         """Keep every live token (the no-op selection)."""
@@ -220,7 +232,7 @@ def round_to_pages(pick: Selection, kv: LayerKV, quantum: tuple[int, int] | None
     its next-best live slots (``pick.priority``; the most recent where None). Free quality: the
     page is held anyway. The same object when nothing needs adding."""
     lengths, n = kv.valid_lengths(), kv.num_slots
-    out, changed = [], False
+    out, changed, ranked = [], False, None
     for h, idx in enumerate(pick.indices):
         length = int(lengths[h])
         extra = page_count(len(idx), length, quantum) - len(idx)
@@ -230,12 +242,12 @@ def round_to_pages(pick: Selection, kv: LayerKV, quantum: tuple[int, int] | None
         free = torch.ones(n, dtype=torch.bool)
         free[: n - length] = False
         free[idx] = False
-        candidates = torch.nonzero(free).flatten().flip(0)  # later slots first for ties
         if pick.priority is None:
-            chosen = candidates[:extra]
+            chosen = torch.nonzero(free).flatten().flip(0)[:extra]  # the most recent
         else:
-            order = torch.sort(pick.priority[h, candidates].float(), descending=True, stable=True).indices
-            chosen = candidates[order[:extra]]
+            if ranked is None:
+                ranked = ranked_slots(pick.priority)
+            chosen = ranked[h][free[ranked[h]]][:extra]
         out.append(torch.sort(torch.cat([idx, chosen])).values)
         changed = True
     return Selection(out, pick.compensation, pick.priority) if changed else pick
@@ -284,6 +296,14 @@ def visible_softmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits, dim=-1).nan_to_num_(0.0)
 
 
+def ranked_slots(scores: torch.Tensor) -> torch.Tensor:
+    """[H, N] each row's slot indices by descending score, equal scores the later slot first, on
+    the host (one stable sort of every row: a subset of a row keeps this order, so a head's
+    candidates are its row filtered)."""
+    n = scores.shape[-1]
+    return n - 1 - torch.sort(scores.float().cpu().flip(-1), dim=-1, descending=True, stable=True).indices
+
+
 def protected_topk(
     scores: torch.Tensor,
     keep: int | Sequence[int],
@@ -299,7 +319,7 @@ def protected_topk(
     """
     num_heads, n = scores.shape
     keeps = [keep] * num_heads if isinstance(keep, int) else list(keep)
-    out = []
+    out, ranked = [], None
     for h in range(num_heads):
         length = int(lengths[h])
         k = min(int(keeps[h]), length)
@@ -310,15 +330,13 @@ def protected_topk(
         s = min(sink, k)
         w = min(window, k - s)
         protected = torch.cat([torch.arange(start, start + s), torch.arange(n - w, n)])
-        middle = torch.arange(start + s, n - w)
         rest = k - s - w
-        if rest > 0 and middle.numel():
-            mid_scores = scores[h, start + s : n - w].float()
-            # stable sort on the reversed order: equal scores prefer later slots
-            order = torch.sort(mid_scores.flip(0), descending=True, stable=True).indices[:rest]
-            chosen = middle.flip(0)[order]
-            protected = torch.cat([protected, chosen])
-        out.append(torch.sort(torch.unique(protected)).values)
+        if rest > 0 and n - w > start + s:
+            if ranked is None:
+                ranked = ranked_slots(scores)
+            row = ranked[h]
+            protected = torch.cat([protected, row[(row >= start + s) & (row < n - w)][:rest]])
+        out.append(torch.unique(protected))
     return out
 
 

@@ -54,8 +54,11 @@ from vllm_kvcomp.policies.expected_attention import ExpectedAttention, expected_
 from vllm_kvcomp.policies.snapkv import SnapKV
 from vllm_kvcomp.policies.wrappers import ADAPTIVE_FLOOR, HEADS_PARAMS, adaptive_topk
 
-#: elements of one [G, rows, hidden] block of projected values (bounds the memory of the norms)
+#: elements of one [G, rows, hidden] block of projected values (bounds the memory of the norms):
+#: on the host, and on a GPU (larger blocks, fewer launches: 32 layers x 8 heads x 32 blocks of an
+#: 8K prompt took 1.3 s on an H100 with the host's size)
 PROJECTED_BLOCK = 1 << 22
+PROJECTED_BLOCK_GPU = 1 << 25
 
 
 @dataclass
@@ -97,7 +100,8 @@ def projected_value_norms(kv: LayerKV) -> torch.Tensor:
     acc = torch.float64 if kv.values.dtype == torch.float64 else torch.float32
     values = kv.values.to(weight.device, acc)
     group = hq // hk
-    rows = max(1, PROJECTED_BLOCK // (group * hidden))
+    block = PROJECTED_BLOCK_GPU if weight.device.type == "cuda" else PROJECTED_BLOCK
+    rows = max(1, block // (group * hidden))
     out = torch.empty(hk, n, dtype=acc, device=weight.device)
     for h in range(hk):
         heads = weight[h * group:(h + 1) * group].to(acc)  # [G, D, hidden]

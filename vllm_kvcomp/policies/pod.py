@@ -168,7 +168,7 @@ class POD(Policy):
             anchor = present[0]
             anchor_logits = window_logits(anchor)
             _, anchor_distant = self._split(anchor)
-            d_mask = anchor_distant.repeat_interleave(_group_size(anchor), 0).unsqueeze(1)
+            d_mask = anchor_distant.repeat_interleave(_group_size(anchor), 0).unsqueeze(1).to(anchor_logits.device)
             d_logits = anchor_logits.masked_fill(~d_mask, float("-inf"))
             lse_distant = d_logits.logsumexp(-1)  # [H_q, w]
             probs = torch.softmax(d_logits, -1).nan_to_num(0.0)  # eq. 3 distant softmax
@@ -200,12 +200,12 @@ class POD(Policy):
         """(skip [H_kv]: the head drops its distant tokens, scores [H_kv, N] by the group's anchor)."""
         proximal, _ = self._split(kv)
         group = _group_size(kv)
-        p_mask = proximal.repeat_interleave(group, 0).unsqueeze(1)
+        p_mask = proximal.repeat_interleave(group, 0).unsqueeze(1).to(logits.device)
         lse_proximal = logits.masked_fill(~p_mask, float("-inf")).logsumexp(-1)  # [H_q, w]
         gate = pod_gate(lse_proximal, lse_distant).mean(1)  # [H_q]
-        skip = (gate >= self.tau).view(kv.num_kv_heads, group).all(1)  # [H_kv]
+        skip = (gate >= self.tau).view(kv.num_kv_heads, group).all(1).cpu()  # [H_kv]
         positions = kv.slot_positions()
-        scores = torch.full(positions.shape, float("-inf"))
+        scores = torch.full(positions.shape, float("-inf"), dtype=by_position.dtype)
         valid = (positions >= 0) & (positions < by_position.shape[1])
         rows = torch.arange(kv.num_kv_heads).unsqueeze(1).expand_as(positions)
         scores[valid] = by_position[rows[valid], positions[valid]]
@@ -251,8 +251,9 @@ def _group_size(kv: LayerKV) -> int:
 
 
 def _scores_by_position(kv: LayerKV, scores: torch.Tensor) -> torch.Tensor:
-    """Re-index [H_kv, N] slot scores by logical position: [H_kv, max_pos + 1], -inf elsewhere."""
-    positions = kv.slot_positions()
+    """Re-index [H_kv, N] slot scores by logical position: [H_kv, max_pos + 1], -inf elsewhere
+    (on the host, where the selection runs)."""
+    positions, scores = kv.slot_positions(), scores.cpu()
     out = torch.full((kv.num_kv_heads, int(positions.max()) + 1), float("-inf"), dtype=scores.dtype)
     valid = positions >= 0
     rows = torch.arange(kv.num_kv_heads).unsqueeze(1).expand_as(positions)

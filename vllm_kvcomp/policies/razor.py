@@ -103,18 +103,19 @@ class Razor(HeadSplit):
         acc = torch.float64 if kv.keys.dtype == torch.float64 else torch.float32
         memory = state.layer(kv.layer, RazorMemory)
         heads, dim = kv.num_kv_heads, kv.keys.shape[-1]
-        k_sum = torch.zeros(heads, dim, dtype=acc)
-        v_sum = torch.zeros(heads, kv.values.shape[-1], dtype=acc)
-        counts = torch.zeros(heads, dtype=acc)
+        device = kv.keys.device  # summed where the keys are (the engine's cache device)
+        k_sum = torch.zeros(heads, dim, dtype=acc, device=device)
+        v_sum = torch.zeros(heads, kv.values.shape[-1], dtype=acc, device=device)
+        counts = torch.zeros(heads, dtype=acc, device=device)
         if memory.compensation is not None:
             old = memory.compensation
-            counts += old.counts.to(acc)
-            k_sum += old.keys.to(acc) * counts.unsqueeze(1)
-            v_sum += old.values.to(acc) * counts.unsqueeze(1)
+            counts += old.counts.to(device, acc)
+            k_sum += old.keys.to(device, acc) * counts.unsqueeze(1)
+            v_sum += old.values.to(device, acc) * counts.unsqueeze(1)
         live = kv.valid_mask()
         for h, idx in enumerate(selection.indices):
             live[h, idx] = False
-            dropped = torch.nonzero(live[h]).flatten()
+            dropped = torch.nonzero(live[h]).flatten().to(device)
             if dropped.numel():
                 k_sum[h] += kv.keys[h, dropped].to(acc).sum(0)
                 v_sum[h] += kv.values[h, dropped].to(acc).sum(0)

@@ -104,15 +104,15 @@ class SageKV(ScorePolicy):
         Ranks are taken inside the eviction region, so the top ``G·k`` scores are the union of
         the per-query-head top-k sets, filled up with the next ranks when they overlap.
         """
-        last = window_attention(kv)[:, -1].float().cpu()  # [H_q, N]
+        last = window_attention(kv)[:, -1].float()  # [H_q, N], ranked where the keys are
         group = last.shape[0] // kv.num_kv_heads
-        region = self.eviction_region(kv, state).repeat_interleave(group, dim=0)
+        region = self.eviction_region(kv, state).repeat_interleave(group, dim=0).to(last.device)
         order = torch.sort(last.masked_fill(~region, -1.0), dim=-1, descending=True, stable=True).indices
         rank = torch.empty_like(order)
-        rank.scatter_(1, order, torch.arange(kv.num_slots).expand_as(order).contiguous())
+        rank.scatter_(1, order, torch.arange(kv.num_slots, device=order.device).expand_as(order).contiguous())
         best_rank = rank.view(kv.num_kv_heads, group, -1).amin(dim=1).float()
         top_attn = last.view(kv.num_kv_heads, group, -1).amax(dim=1)
-        return -best_rank + 0.5 * top_attn
+        return (-best_rank + 0.5 * top_attn).cpu()
 
     def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
         memory = state.layer(kv.layer, SageKVMemory)
