@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import pytest
 
@@ -57,3 +58,25 @@ def test_decode_window_starts_after_the_prompt_end_compression():
 
     assert Stream(sent=0.0, token_times=[1.0, 1.9, 2.0]).decoding == 1.9
     assert Stream(sent=0.0, token_times=[1.0]).decoding == 1.0
+
+
+def test_membound_serves_with_the_step_size_asked_for(monkeypatch, tmp_path):
+    seen = {}
+
+    @contextlib.contextmanager
+    def fake_served(model, pool, max_seqs, max_len, log, chunk=2048):
+        seen.update(pool=pool, max_seqs=max_seqs, chunk=chunk)
+        yield "http://127.0.0.1:1"
+
+    async def fake_throughput(url, args, header, seed):
+        return 10.0 + seed if header is None else 100.0 + seed
+
+    monkeypatch.setattr(pages, "served", fake_served)
+    monkeypatch.setattr(pages, "_throughput", fake_throughput)
+    parser = argparse.ArgumentParser()
+    pages.add_arguments(parser)
+    args = parser.parse_args(["--membound-chunk", "512", "--membound-clients", "16", "--logs", str(tmp_path)])
+    out = pages._phase_membound(args, [("lagkv prefill=stream", "lagkv", "prefill=stream", 0.25)])
+    assert seen["chunk"] == 512 and seen["max_seqs"] == 16
+    assert out == {"full": [14.0, 15.0], "lagkv prefill=stream": 130.0}  # full first and last, new seeds
+    assert parser.parse_args([]).membound_chunk == 2048  # the server's default step, as before

@@ -94,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--membound-clients", type=int, default=8)
     parser.add_argument("--membound-tokens", type=int, default=256)
     parser.add_argument("--membound-ratio", type=float, default=0.25)
+    parser.add_argument("--membound-chunk", type=int, default=2048,
+                        help="membound: tokens per engine step (the prefill chunk); a smaller one lets a "
+                             "prefill=stream request start with less free memory")
     parser.add_argument("--logs", type=Path, default=Path("bench-logs"), help="server logs folder")
 
 
@@ -253,7 +256,8 @@ def _phase_membound(args, configs) -> dict:
     max_len = args.prompt_len + args.membound_tokens + 32
     labels = [c for c in configs if c[3] == configs[0][3]]
     pool = args.membound_pool * kv_cache_groups(args.model)
-    with served(args.model, pool, args.membound_clients, max_len, args.logs / "membound.log") as url:
+    with served(args.model, pool, args.membound_clients, max_len, args.logs / "membound.log",
+                chunk=args.membound_chunk) as url:
         out["full"] = [asyncio.run(_throughput(url, args, None, seed=4))]
         for i, (label, policy, extra, _) in enumerate(labels):
             header = header_for(policy, args.membound_ratio, extra)
@@ -304,7 +308,8 @@ def _report(args, configs, results) -> str:
     if membound:
         full = statistics.mean(membound["full"])
         lines += ["", f"Memory-bound pool ({args.membound_pool} blocks, {args.membound_clients} clients, "
-                  f"{args.membound_tokens} output tokens), ratio {args.membound_ratio:g}: output tokens/s", "",
+                  f"{args.membound_tokens} output tokens, {args.membound_chunk}-token steps), ratio "
+                  f"{args.membound_ratio:g}: output tokens/s", "",
                   "| policy | tok/s | vs full |", "|---|---|---|",
                   f"| full | {full:.1f} (runs: {', '.join(f'{x:.1f}' for x in membound['full'])}) | 1.00x |"]
         lines += [f"| {k} | {v:.1f} | {v / full:.2f}x |" for k, v in membound.items() if k != "full"]

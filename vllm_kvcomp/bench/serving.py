@@ -87,12 +87,13 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def served(model: str | None, pool_blocks: int, max_seqs: int, max_len: int, log: Path,
-           extra: list[str] | None = None, prefix_caching: bool = False) -> Iterator[str]:
-    """Run ``vllm-kvcomp serve`` with a fixed KV pool; yields its base URL, stops it after."""
+           extra: list[str] | None = None, prefix_caching: bool = False, chunk: int = 2048) -> Iterator[str]:
+    """Run ``vllm-kvcomp serve`` with a fixed KV pool and ``chunk`` tokens per step (vLLM's
+    ``--max-num-batched-tokens``: the prefill chunk); yields its base URL, stops it after."""
     port = free_port()
     cmd = [sys.executable, "-m", "vllm_kvcomp", "serve", *([model] if model else []), "--port", str(port),
            "--host", "127.0.0.1", "--block-size", "32", "--num-gpu-blocks-override", str(pool_blocks),
-           "--max-num-seqs", str(max_seqs), "--max-model-len", str(max_len), "--max-num-batched-tokens", "2048",
+           "--max-num-seqs", str(max_seqs), "--max-model-len", str(max_len), "--max-num-batched-tokens", str(chunk),
            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching", *(extra or [])]
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
