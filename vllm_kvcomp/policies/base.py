@@ -297,11 +297,11 @@ def visible_softmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def ranked_slots(scores: torch.Tensor) -> torch.Tensor:
-    """[H, N] each row's slot indices by descending score, equal scores the later slot first, on
-    the host (one stable sort of every row: a subset of a row keeps this order, so a head's
-    candidates are its row filtered)."""
+    """[H, N] each row's slot indices by descending score, equal scores the later slot first: one
+    stable sort of every row where the scores are, the order brought to the host (a subset of a
+    row keeps this order, so a head's candidates are its row filtered)."""
     n = scores.shape[-1]
-    return n - 1 - torch.sort(scores.float().cpu().flip(-1), dim=-1, descending=True, stable=True).indices
+    return n - 1 - torch.sort(scores.float().flip(-1), dim=-1, descending=True, stable=True).indices.cpu()
 
 
 def protected_topk(
@@ -585,7 +585,8 @@ class ScorePolicy(Policy):
     """
 
     def score(self, kv: LayerKV, state: RequestState) -> torch.Tensor:
-        """[H_kv, N] float, higher = more important; invalid slots are ignored."""
+        """[H_kv, N] float, higher = more important; invalid slots are ignored. On the device of
+        ``kv.keys`` or on the host."""
         raise NotImplementedError
 
     def protected(self) -> tuple[int, int]:
@@ -629,8 +630,9 @@ class ScorePolicy(Policy):
         ``across_heads`` sees every tensor-parallel rank's heads."""
         lengths = kv.valid_lengths()
         sink, window = self.protected_for(kv, state)
-        scores = self.score(kv, state).float().cpu()
+        scores = self.score(kv, state).float()  # where the policy scored: allocations rank there
         if across_heads and state.ranks.size > 1:
+            scores = scores.cpu()  # gathered over the ranks as host tensors
             chosen = _allocate_over_ranks(state.ranks, allocate, scores, budget, lengths, sink, window)
         else:
             chosen = allocate(scores, budget, lengths, sink, window)

@@ -87,8 +87,8 @@ INNER_SCORERS: dict[str, tuple[type[ScorePolicy], tuple[str, ...]]] = {
 
 def projected_value_norms(kv: LayerKV) -> torch.Tensor:
     """[H_kv, N] ``mean_{q ∈ G(h)} ||v_i W_o^q||₁`` of ``kv.values`` [H_kv, N, D] with
-    ``kv.out_proj`` [H_q, D, hidden]; computed on the weight's device in float32 (float64 for
-    float64 values), returned on the host."""
+    ``kv.out_proj`` [H_q, D, hidden]; computed and returned on the weight's device in float32
+    (float64 for float64 values)."""
     weight = kv.out_proj
     if weight is None:
         raise ValueError("criticalkv needs the layer's output projection (LayerKV.out_proj), none was given")
@@ -108,16 +108,16 @@ def projected_value_norms(kv: LayerKV) -> torch.Tensor:
         for start in range(0, n, rows):
             projected = torch.einsum("nd,gdo->gno", values[h, start:start + rows], heads)
             out[h, start:start + rows] = projected.abs().sum(dim=-1).mean(dim=0)
-    return out.cpu()
+    return out
 
 
 def critical_scores(inner: torch.Tensor, norms: torch.Tensor, first: list[torch.Tensor],
                     epsilon: float) -> torch.Tensor:
     """[H, N] stage 2 ``(inner + epsilon) · norms``; +inf on each head's stage-1 picks ``first``
     and where the inner score is infinite (a slot the inner policy always keeps)."""
-    scores = torch.where(torch.isinf(inner), inner, (inner + epsilon) * norms.to(inner.dtype))
+    scores = torch.where(torch.isinf(inner), inner, (inner + epsilon) * norms.to(inner.device, inner.dtype))
     for h, idx in enumerate(first):
-        scores[h, idx] = float("inf")
+        scores[h, idx.to(scores.device)] = float("inf")
     return scores
 
 
@@ -202,7 +202,7 @@ class CriticalKV(ScorePolicy):
             inner, counts = pick.priority, pick.counts().tolist()
             safeguard = max(sink + window, math.ceil(ADAPTIVE_FLOOR * state.budget - 1e-9))
         else:
-            inner, counts = self.scorer.score(kv, state).float().cpu(), lengths.clamp(max=state.budget).tolist()
+            inner, counts = self.scorer.score(kv, state).float(), lengths.clamp(max=state.budget).tolist()
             safeguard = sink + window  # always kept: they lead stage 1 (kvpress scores them the maximum)
         first_counts = [max(int(self.first_stage_ratio * b + 1e-9), min(safeguard, b)) for b in counts]
         first = protected_topk(inner, first_counts, lengths, sink, window)

@@ -68,8 +68,9 @@ def adaptive_topk(
     extra = total - int(taken.sum())
     if extra <= 0:
         return kept
-    candidates = scores.float().cpu().masked_fill(~live | taken, float("-inf")).flatten()
-    best = torch.sort(candidates, descending=True, stable=True).indices[:extra]
+    hidden = (~live | taken).to(scores.device)
+    candidates = scores.float().masked_fill(hidden, float("-inf")).flatten()  # ranked where the scores are
+    best = torch.sort(candidates, descending=True, stable=True).indices[:extra].cpu()
     taken.view(-1)[best] = True
     return [torch.nonzero(taken[h]).flatten() for h in range(num_heads)]
 
