@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_kvcomp.policies import base
 from vllm_kvcomp.policies.base import (
     LayerKV,
     RequestState,
@@ -38,7 +39,8 @@ def test_keep_pinned():
     pinned[0, [4, 6]] = True
     chosen, priority = keep_pinned(kv, pinned, 2, 7)
     assert chosen[0].tolist() == [0, 1, 4, 6, 9, 10, 11]
-    assert priority.shape == (1, 12) and bool(priority[0, 4] > priority[0, 11] > priority[0, 10])
+    scores = priority.scores
+    assert scores.shape == (1, 12) and bool(scores[0, 4] > scores[0, 11] > scores[0, 10])
 
 
 def test_page_rounding_adds_the_next_best_live_slots():
@@ -53,6 +55,22 @@ def test_page_rounding_adds_the_next_best_live_slots():
     assert round_to_pages(pick, kv, None) is pick
     recent = round_to_pages(Selection(pick.indices), kv, quantum).indices  # no priority: the most recent
     assert recent[0].tolist() == [0, 4, 7] and recent[1].tolist() == [5, 6, 7]
+
+
+def test_a_layer_is_ranked_once_for_its_pick_and_its_page_rounding(monkeypatch):
+    """A score policy's pick and the page rounding after it read one order (one sort per layer)."""
+    from vllm_kvcomp.policies.snapkv import SnapKV
+
+    sorts = []
+    ranked = base.ranked_slots
+    monkeypatch.setattr(base, "ranked_slots", lambda scores: sorts.append(scores.shape) or ranked(scores))
+    torch.manual_seed(0)
+    layers = [LayerKV(torch.randn(2, 40, 4), torch.randn(2, 40, 4), queries=torch.randn(4, 8, 4), layer=i)
+              for i in range(3)]
+    state = RequestState(page_quantum=(8, 40 % 8))
+    kept = SnapKV(budget=13, window=4, kernel=1).decide(layers, state)
+    assert [k.counts().tolist() for k in kept] == [[16, 16]] * 3  # rounded: 13 -> 16 ≡ 40 (mod 8)
+    assert sorts == [(2, 40)] * 3
 
 
 def test_decide_rounds_every_policys_pick_and_commits_what_is_kept():

@@ -78,6 +78,12 @@ def test_adaptive_wrapper_commits_inner_state():
         assert memory.positions[h][memory.positions[h] >= 0].tolist() == idx.tolist()
 
 
+def test_wrapper_recompresses_as_its_inner_policy_says():
+    assert not AdaptiveHeads(KNorm()).recompresses
+    assert AdaptiveHeads(KNorm(decode="recompress")).recompresses
+    assert not AdaptiveHeads(H2O(budget=8, decode="keep")).recompresses
+
+
 def test_wrapper_needs_a_score_policy():
     with pytest.raises(SpecError, match="inner"):
         AdaptiveHeads(None)

@@ -115,6 +115,26 @@ class Compensation:
     counts: torch.Tensor  # [H_kv] float, N_dropped
 
 
+class Ranking:
+    """Scores [H, N] (higher = keep) and each row's slots in their order (:func:`ranked_slots`),
+    sorted once, on first use: the pick and the page rounding after it read the same order."""
+
+    def __init__(self, scores: torch.Tensor) -> None:
+        self.scores = scores
+        self._order: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, scores: torch.Tensor | Ranking) -> Ranking:
+        return scores if isinstance(scores, Ranking) else cls(scores)
+
+    @property
+    def order(self) -> torch.Tensor:
+        """[H, N] host int64: each row's slot indices, best first, equal scores the later slot first."""
+        if self._order is None:
+            self._order = ranked_slots(self.scores)
+        return self._order
+
+
 @dataclass
 class Selection:
     """Per KV head, the sorted unique slot indices to keep, plus optional compensation.
@@ -126,9 +146,14 @@ class Selection:
 
     indices: list[torch.Tensor]  # H_kv tensors of int64, sorted, unique, in [0, N)
     compensation: Compensation | None = None
-    #: [H_kv, N] which unpicked slots fill a head up to the page grid first (higher first, ties
-    #: to the later slot); None: the most recent first
-    priority: torch.Tensor | None = None
+    #: scores [H_kv, N] of which unpicked slots fill a head up to the page grid first (higher
+    #: first, ties to the later slot; a tensor is taken as its :class:`Ranking`); None: the most
+    #: recent first
+    priority: Ranking | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.priority, torch.Tensor):
+            self.priority = Ranking(self.priority)
 
     def counts(self) -> torch.Tensor:
         return torch.tensor([len(i) for i in self.indices], dtype=torch.long)
@@ -232,7 +257,7 @@ def round_to_pages(pick: Selection, kv: LayerKV, quantum: tuple[int, int] | None
     its next-best live slots (``pick.priority``; the most recent where None). Free quality: the
     page is held anyway. The same object when nothing needs adding."""
     lengths, n = kv.valid_lengths(), kv.num_slots
-    out, changed, ranked = [], False, None
+    out, changed = [], False
     for h, idx in enumerate(pick.indices):
         length = int(lengths[h])
         extra = page_count(len(idx), length, quantum) - len(idx)
@@ -245,9 +270,8 @@ def round_to_pages(pick: Selection, kv: LayerKV, quantum: tuple[int, int] | None
         if pick.priority is None:
             chosen = torch.nonzero(free).flatten().flip(0)[:extra]  # the most recent
         else:
-            if ranked is None:
-                ranked = ranked_slots(pick.priority)
-            chosen = ranked[h][free[ranked[h]]][:extra]
+            row = pick.priority.order[h]
+            chosen = row[free[row]][:extra]
         out.append(torch.sort(torch.cat([idx, chosen])).values)
         changed = True
     return Selection(out, pick.compensation, pick.priority) if changed else pick
@@ -276,10 +300,11 @@ def window_logits(kv: LayerKV) -> torch.Tensor:
     acc = torch.float64 if kv.keys.dtype == torch.float64 else torch.float32
     queries = kv.queries.to(acc).reshape(hk, hq // hk, w, d)  # query head i reads KV head i // group
     logits = torch.einsum("kgwd,knd->kgwn", queries, kv.keys.to(acc)) * kv.softmax_scale
-    key_pos = kv.slot_positions().view(hk, 1, 1, -1)  # [H_kv, 1, 1, N]
-    q_pos = kv.window_query_positions().view(1, 1, -1, 1)  # [1, 1, w, 1]
+    # the causal mask is built where the logits are: positions [H_kv, N] travel, not the mask [H_kv, 1, w, N]
+    key_pos = kv.slot_positions().to(logits.device).view(hk, 1, 1, -1)  # [H_kv, 1, 1, N]
+    q_pos = kv.window_query_positions().to(logits.device).view(1, 1, -1, 1)  # [1, 1, w, 1]
     visible = (key_pos >= 0) & (key_pos <= q_pos)
-    return logits.masked_fill(~visible.to(logits.device), float("-inf")).reshape(hq, w, -1)
+    return logits.masked_fill(~visible, float("-inf")).reshape(hq, w, -1)
 
 
 def window_attention(kv: LayerKV) -> torch.Tensor:
@@ -305,7 +330,7 @@ def ranked_slots(scores: torch.Tensor) -> torch.Tensor:
 
 
 def protected_topk(
-    scores: torch.Tensor,
+    scores: torch.Tensor | Ranking,
     keep: int | Sequence[int],
     lengths: torch.Tensor,
     sink: int = 0,
@@ -317,9 +342,10 @@ def protected_topk(
     list). Ties break towards the *later* slot. Returns H sorted index tensors of size
     ``min(keep, length)``.
     """
-    num_heads, n = scores.shape
+    ranking = Ranking.of(scores)
+    num_heads, n = ranking.scores.shape
     keeps = [keep] * num_heads if isinstance(keep, int) else list(keep)
-    out, ranked = [], None
+    out = []
     for h in range(num_heads):
         length = int(lengths[h])
         k = min(int(keeps[h]), length)
@@ -332,9 +358,7 @@ def protected_topk(
         protected = torch.cat([torch.arange(start, start + s), torch.arange(n - w, n)])
         rest = k - s - w
         if rest > 0 and n - w > start + s:
-            if ranked is None:
-                ranked = ranked_slots(scores)
-            row = ranked[h]
+            row = ranking.order[h]
             protected = torch.cat([protected, row[(row >= start + s) & (row < n - w)][:rest]])
         out.append(torch.unique(protected))
     return out
@@ -573,7 +597,7 @@ class Policy:
         policy may still set a kept selection's ``compensation``). Default: nothing to carry."""
 
 
-Allocator = Callable[[torch.Tensor, int, torch.Tensor, int, int], list[torch.Tensor]]
+Allocator = Callable[[Ranking, int, torch.Tensor, int, int], list[torch.Tensor]]
 
 
 @dataclass
@@ -598,7 +622,7 @@ class ScorePolicy(Policy):
         return self.protected()
 
     def allocate(
-        self, scores: torch.Tensor, budget: int, lengths: torch.Tensor, sink: int, window: int
+        self, scores: Ranking, budget: int, lengths: torch.Tensor, sink: int, window: int
     ) -> list[torch.Tensor]:
         """Kept slots per head from scores [H_kv, N]; default: the same ``budget`` for every head."""
         return protected_topk(scores, budget, lengths, sink, window)
@@ -630,13 +654,13 @@ class ScorePolicy(Policy):
         ``across_heads`` sees every tensor-parallel rank's heads."""
         lengths = kv.valid_lengths()
         sink, window = self.protected_for(kv, state)
-        scores = self.score(kv, state).float()  # where the policy scored: allocations rank there
+        ranking = Ranking(self.score(kv, state).float())  # where the policy scored: allocations rank there
         if across_heads and state.ranks.size > 1:
-            scores = scores.cpu()  # gathered over the ranks as host tensors
-            chosen = _allocate_over_ranks(state.ranks, allocate, scores, budget, lengths, sink, window)
+            ranking = Ranking(ranking.scores.cpu())  # gathered over the ranks as host tensors
+            chosen = _allocate_over_ranks(state.ranks, allocate, ranking.scores, budget, lengths, sink, window)
         else:
-            chosen = allocate(scores, budget, lengths, sink, window)
-        return Selection(chosen, priority=scores)
+            chosen = allocate(ranking, budget, lengths, sink, window)
+        return Selection(chosen, priority=ranking)
 
     def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
         if state.budget is None:
@@ -653,7 +677,7 @@ def _allocate_over_ranks(ranks: Ranks, allocate: Allocator, scores: torch.Tensor
     padded = torch.nn.functional.pad(scores, (pad, 0), value=float("-inf"))
     everyone = ranks.cat_heads(padded)
     all_lengths = ranks.cat_heads(lengths.to(torch.long))
-    chosen = allocate(everyone, budget, all_lengths, sink, window)
+    chosen = allocate(Ranking(everyone), budget, all_lengths, sink, window)
     mine = chosen[ranks.rank * scores.shape[0] : (ranks.rank + 1) * scores.shape[0]]
     return [idx - pad for idx in mine]
 
@@ -698,7 +722,7 @@ class SlotMemory:
         return torch.where(hit, self.values.gather(1, idx), out)
 
 
-def keep_pinned(kv: LayerKV, pinned: torch.Tensor, sink: int, keep: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+def keep_pinned(kv: LayerKV, pinned: torch.Tensor, sink: int, keep: int) -> tuple[list[torch.Tensor], Ranking]:
     """Per head: the first ``sink`` live slots, the pinned slots, then the most recent up to ``keep``.
 
     pinned [H_kv, N] bool. For policies whose selected set stays while the recent window slides
@@ -707,7 +731,7 @@ def keep_pinned(kv: LayerKV, pinned: torch.Tensor, sink: int, keep: int) -> tupl
     """
     n = kv.num_slots
     recency = torch.arange(n, dtype=torch.float32) / max(n, 1)
-    priority = recency.expand(kv.num_kv_heads, -1) + 2.0 * pinned.float()
+    priority = Ranking(recency.expand(kv.num_kv_heads, -1) + 2.0 * pinned.float())
     return protected_topk(priority, keep, kv.valid_lengths(), sink, 0), priority
 
 
@@ -728,6 +752,7 @@ __all__ = [
     "Compensation",
     "LayerKV",
     "Policy",
+    "Ranking",
     "Ranks",
     "RequestState",
     "ScorePolicy",

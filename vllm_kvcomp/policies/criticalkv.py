@@ -45,6 +45,7 @@ import torch
 from vllm_kvcomp.params import Param, SpecError
 from vllm_kvcomp.policies.base import (
     LayerKV,
+    Ranking,
     RequestState,
     ScorePolicy,
     Selection,
@@ -199,14 +200,14 @@ class CriticalKV(ScorePolicy):
         sink, window = self.protected()
         if self.heads == "adaptive":
             pick = self.scorer.select_scored(kv, state, state.budget, adaptive_topk, across_heads=True)
-            inner, counts = pick.priority, pick.counts().tolist()
+            inner, counts = pick.priority, pick.counts().tolist()  # its ranking: stage 1 reads its order
             safeguard = max(sink + window, math.ceil(ADAPTIVE_FLOOR * state.budget - 1e-9))
         else:
-            inner, counts = self.scorer.score(kv, state).float(), lengths.clamp(max=state.budget).tolist()
+            inner, counts = Ranking(self.scorer.score(kv, state).float()), lengths.clamp(max=state.budget).tolist()
             safeguard = sink + window  # always kept: they lead stage 1 (kvpress scores them the maximum)
         first_counts = [max(int(self.first_stage_ratio * b + 1e-9), min(safeguard, b)) for b in counts]
         first = protected_topk(inner, first_counts, lengths, sink, window)
-        return critical_scores(inner, projected_value_norms(kv), first, self.epsilon), counts
+        return critical_scores(inner.scores, projected_value_norms(kv), first, self.epsilon), counts
 
     def score(self, kv: LayerKV, state: RequestState) -> torch.Tensor:
         """[H_kv, N] what the selection ranks by: +inf on the stage-1 picks, ``(s + ε) · n`` elsewhere."""
@@ -215,4 +216,5 @@ class CriticalKV(ScorePolicy):
     def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
         scores, counts = self._ranked(kv, state)
         sink, window = self.protected()
-        return Selection(protected_topk(scores, counts, kv.valid_lengths(), sink, window), priority=scores)
+        ranking = Ranking(scores)
+        return Selection(protected_topk(ranking, counts, kv.valid_lengths(), sink, window), priority=ranking)

@@ -32,6 +32,7 @@ from vllm_kvcomp.policies.base import (
     ONE_RANK,
     LayerKV,
     Policy,
+    Ranking,
     Ranks,
     RequestState,
     Selection,
@@ -164,7 +165,7 @@ class EntropyBudget(Policy):
         shared = sum(state.ranks.gather(probs.float().sum(dim=(0, 1)).cpu()))  # [N], every rank's heads
         sink, _, recent = split_layer_budget(budget)
         lengths = kv.valid_lengths()
-        priority = shared.expand(kv.num_kv_heads, -1)
+        priority = Ranking(shared.expand(kv.num_kv_heads, -1))
         chosen = protected_topk(priority, budget, lengths, sink, recent)
         start = kv.num_slots - lengths
         slots = torch.arange(kv.num_slots).unsqueeze(0)

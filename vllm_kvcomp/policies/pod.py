@@ -38,6 +38,7 @@ from vllm_kvcomp.params import Param, SpecError
 from vllm_kvcomp.policies.base import (
     LayerKV,
     Policy,
+    Ranking,
     RequestState,
     Selection,
     protected_topk,
@@ -178,8 +179,9 @@ class POD(Policy):
                 scored[kv.layer] = self._score_layer(kv, logits, lse_distant, by_position)
         keeps = self._keeps(layers, [scored[kv.layer][0] for kv in layers], state)
         sink, window = int(self.sink or 0), int(self.window or 0)
-        return [Selection(protected_topk(scored[kv.layer][1], keep, kv.valid_lengths(), sink, window),
-                          priority=scored[kv.layer][1]) for kv, keep in zip(layers, keeps)]
+        rankings = [Ranking(scored[kv.layer][1]) for kv in layers]
+        return [Selection(protected_topk(ranking, keep, kv.valid_lengths(), sink, window), priority=ranking)
+                for kv, keep, ranking in zip(layers, keeps, rankings)]
 
     def _keeps(self, layers: Sequence[LayerKV], skips: list[torch.Tensor], state: RequestState) -> list[list[int]]:
         """Per layer, each local KV head's kept count: a head that skips keeps its proximal tokens,

@@ -25,6 +25,7 @@ from vllm_kvcomp.params import Param, SpecError
 from vllm_kvcomp.policies.base import (
     LayerKV,
     Policy,
+    Ranking,
     RequestState,
     ScorePolicy,
     Selection,
@@ -43,7 +44,7 @@ HEADS_PARAMS: dict[str, Param] = {
 
 
 def adaptive_topk(
-    scores: torch.Tensor,
+    scores: torch.Tensor | Ranking,
     budget: int,
     lengths: torch.Tensor,
     sink: int = 0,
@@ -56,11 +57,13 @@ def adaptive_topk(
     ``max(sink + window, ceil(floor · budget))`` slots by :func:`protected_topk`; the rest of the
     layer's total goes to the best remaining scores over all heads. Returns H sorted index tensors.
     """
+    ranking = Ranking.of(scores)
+    scores = ranking.scores
     num_heads, n = scores.shape
     lengths = lengths.to(torch.long).cpu()
     total = int(torch.clamp(lengths, max=budget).sum())
     base = min(budget, max(sink + window, math.ceil(floor * budget - 1e-9)))
-    kept = protected_topk(scores, base, lengths, sink, window)
+    kept = protected_topk(ranking, base, lengths, sink, window)
     taken = torch.zeros(num_heads, n, dtype=torch.bool)
     for h, idx in enumerate(kept):
         taken[h, idx] = True
@@ -84,7 +87,7 @@ class HeadsChoice:
         return self.heads == "adaptive"
 
     def allocate(
-        self, scores: torch.Tensor, budget: int, lengths: torch.Tensor, sink: int, window: int
+        self, scores: Ranking, budget: int, lengths: torch.Tensor, sink: int, window: int
     ) -> list[torch.Tensor]:
         if self.heads == "adaptive":
             return adaptive_topk(scores, budget, lengths, sink, window)
@@ -100,7 +103,7 @@ class _Wrapper(Policy):
     def __post_init__(self) -> None:
         if not isinstance(self.inner, ScorePolicy):
             raise SpecError("inner", "a wrapper needs a score policy", "a ScorePolicy instance")
-        self.RECOMPRESSES = self.inner.RECOMPRESSES
+        self.RECOMPRESSES, self.decode = self.inner.RECOMPRESSES, self.inner.decode  # the engine asks `recompresses`
         self.check()
 
     def queries_needed(self) -> int:
