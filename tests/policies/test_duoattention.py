@@ -198,4 +198,4 @@ def test_bind_profile_fills_gates_and_threshold():
 def test_compression_runs_once_the_papers_streaming_window_does_not_slide_in_decode():
     """Deviation (as kvpress): one compression after prefill; the paper's streaming heads keep a
     constant sink + recent cache during decode. Decode tokens accumulate until the request ends."""
-    assert not DuoAttention.RECOMPRESSES and "interval" not in DuoAttention.accepted_params()
+    assert not DuoAttention.RECOMPRESSES and DuoAttention.interval is None  # an interval only with decode=recompress

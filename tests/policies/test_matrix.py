@@ -143,8 +143,10 @@ def test_score_policy_keeps_top_scores(case, n, heads, group, ragged, fake_reque
 @pytest.mark.parametrize("case", CASES)
 def test_an_interval_means_recompression(case):
     policy = make_case(case)
-    if "interval" in policy.accepted_params():
-        assert policy.RECOMPRESSES, "an interval that never triggers a recompression"
+    if "interval" in policy.accepted_params():  # by itself, or under decode=recompress
+        assert policy.RECOMPRESSES or policy.CAN_RECOMPRESS, "an interval that never triggers a recompression"
+    else:
+        assert not (policy.CAN_RECOMPRESS and policy.PACED_BY_INTERVAL), "a recompression no interval can pace"
 
 
 @pytest.mark.parametrize(("heads", "group", "ragged"), list(itertools.product((1, 3), (1, 3), (False, True))))

@@ -14,7 +14,7 @@ from tests.server.conftest import (
     prompt_ids,
     scrape,
 )
-from vllm_kvcomp.server.operator_config import OperatorConfig
+from vllm_kvcomp.server.operator_config import DEFAULT_MIN_INTERVAL, OperatorConfig
 from vllm_kvcomp.spec import MAX_HEADER_LENGTH, CompressionSpec
 
 pytestmark = pytest.mark.server
@@ -130,7 +130,8 @@ def test_operator_defaults_fill_in_what_the_request_left_unset(server):
 
 def test_decode_recompress_bounds_a_one_shot_policys_long_output(server):
     """``decode=recompress``: snapkv cuts its generated tokens back to the prompt budget as they
-    pass a page, and says so; the same request without it compresses once."""
+    pass a page, and says so (with the interval the server's floor filled in); the same request
+    without it compresses once."""
     from tests.server.conftest import BLOCK_SIZE
 
     runs = {}
@@ -141,7 +142,7 @@ def test_decode_recompress_bounds_a_one_shot_policys_long_output(server):
         )
         runs[extra] = (raw.headers[APPLIED], kv_usage(raw.parse().usage))
     (applied, ext), (_, once) = runs["; decode=recompress"], runs[""]
-    assert applied == "policy=snapkv; ratio=0.25; decode=recompress" == ext["applied"]
+    assert applied == f"policy=snapkv; ratio=0.25; interval={DEFAULT_MIN_INTERVAL}; decode=recompress" == ext["applied"]
     assert once["compressions"] == 1 and ext["compressions"] >= 2
     # back to the prompt's budget (within a page) after evicting generated tokens too
     assert abs(ext["tokens_kept"] - once["tokens_kept"]) < BLOCK_SIZE

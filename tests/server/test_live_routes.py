@@ -160,7 +160,9 @@ def test_a_request_is_compressed_at_most_once_per_min_interval_steps(server, spe
 
 @pytest.mark.parametrize("spec", ["streamingllm; ratio=0.25; interval=1", "h2o; ratio=0.5; interval=2",
                                   "sagekv; ratio=0.5; interval=1", "lagkv; ratio=0.25; lag=2; sink=4",
-                                  "lagkv; ratio=0.9; lag=8; sink=4"])
+                                  "lagkv; ratio=0.9; lag=8; sink=4",
+                                  "snapkv; ratio=0.25; decode=recompress; interval=1",
+                                  "knorm; ratio=0.25; decode=recompress"])
 def test_a_hostile_request_is_refused_or_held_to_the_floor(server, spec):
     """Whatever a client asks, it gets a 400 or at most 1 + ceil(N / min_interval) compressions
     in N decode steps: the compression work it adds to its neighbours' steps is bounded."""

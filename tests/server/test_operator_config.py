@@ -316,3 +316,24 @@ def test_a_floor_above_a_builtin_interval_must_set_that_policy():
     ok = OperatorConfig.validate_mapping({"bounds": {"min_interval": 32}, "allow": ["full", "h2o", "lagkv"],
                                           "policies": {"h2o": {"interval": 32}}})
     assert ok.resolve(spec("lagkv")).build_policy().lag == 128  # the built-in lag is above the floor
+
+
+def test_a_request_recompressing_without_an_interval_is_held_to_the_floor():
+    """``decode=recompress`` on a method without an interval of its own gets ``min_interval``
+    (also in the operator's default spec); one set below the floor is refused; a request that
+    does not recompress, and lagkv (paced by ``lag``), get none."""
+    cfg = OperatorConfig.validate_mapping({"bounds": {"min_interval": 64}, "policies": {"h2o": {"interval": 64}},
+                                           "allow": ["full", "snapkv", "keydiff", "knorm", "h2o", "lagkv"],
+                                           "default": "knorm; decode=recompress"})
+    for header in ("snapkv; decode=recompress", "keydiff; decode=recompress", "h2o"):
+        assert cfg.resolve(spec(header)).interval == 64
+    assert cfg.resolve(spec("snapkv; decode=recompress; interval=96")).interval == 96
+    assert cfg.default_spec.interval == 64 and cfg.default_spec.build_policy().interval == 64
+    assert cfg.resolve(spec("snapkv")).interval is None and cfg.resolve(spec("lagkv; lag=64")).interval is None
+    with pytest.raises(SpecError) as err:
+        cfg.resolve(spec("snapkv; decode=recompress; interval=32"))
+    assert err.value.field == "interval" and err.value.allowed.startswith("an integer >= 64")
+    for name in ("full", "pod", "lagkv"):  # nothing recompresses by interval there
+        with pytest.raises(SpecError) as err:
+            spec(f"{name}; interval=64")
+        assert err.value.field == "interval"

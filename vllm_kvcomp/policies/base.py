@@ -15,8 +15,9 @@ group** (query head q belongs to KV head ``q // (H_q // H_kv)``), see :func:`red
 
 Devices: keys, values, queries and the output projection are where the engine's cache is (a GPU
 in production: policies score there); lengths, positions and per-request memory are on the host,
-where the selection runs from [H_kv, N] scores. ``tests/policies/test_device.py`` (GPU) holds
-every policy to the same decision both ways.
+where the selection runs from [H_kv, N] scores (each layer's scores sorted once, where they are:
+:class:`Ranking`). Masks over [.., w, N] are built where the logits are, from the positions.
+``tests/policies/test_device.py`` (GPU) holds every policy to the same decision both ways.
 """
 
 from __future__ import annotations
@@ -419,6 +420,9 @@ class Policy:
     #: False if a second compression of the same request would not keep what the method keeps
     #: (``decode=recompress`` is then refused).
     CAN_RECOMPRESS: ClassVar[bool] = True
+    #: False if the policy's decode recompressions are paced by a setting of its own, not
+    #: ``interval`` (lagkv: every ``lag`` steps); a policy that cannot recompress has no ``interval``.
+    PACED_BY_INTERVAL: ClassVar[bool] = True
     #: Name of a calibration profile kind the policy needs ("razor", "pod") or None.
     PROFILE: ClassVar[str | None] = None
     #: True if compressing after every prefill chunk keeps what compressing the whole prompt at
@@ -433,12 +437,18 @@ class Policy:
     scope: str = field(default="all", kw_only=True)
     context_tokens: int | None = field(default=None, kw_only=True)
     decode: str | None = field(default=None, kw_only=True)
+    #: fewest decode steps between two recompressions; None (the default of a method that does not
+    #: recompress by itself): whenever a page is over the budget (``decode=recompress``)
+    interval: int | None = field(default=None, kw_only=True)
 
     @classmethod
     def accepted_params(cls) -> dict[str, Param]:
         """Keys a spec may set for this policy, with their validators."""
         out: dict[str, Param] = {}
-        for f in fields(cls):
+        paced = cls.CAN_RECOMPRESS and cls.PACED_BY_INTERVAL
+        for f in sorted(fields(cls), key=lambda f: f.name == "interval"):  # after the method's own keys
+            if f.name == "interval" and not paced:
+                continue
             if f.name in COMMON_PARAMS:
                 out[f.name] = COMMON_PARAMS[f.name]
             elif f.name in BASE_PARAMS:
@@ -550,8 +560,7 @@ class Policy:
     def due(self, state: RequestState, num_tokens: int, steps_since: int) -> bool:
         """Whether to recompress now, during decode (only asked if :attr:`recompresses`): every
         ``interval`` steps (a policy without one: every step) once a page is over the budget."""
-        interval = getattr(self, "interval", None) or 1
-        return steps_since >= interval and state.over_budget(num_tokens)
+        return steps_since >= (self.interval or 1) and state.over_budget(num_tokens)
 
     def decide(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
         """What every layer keeps: :meth:`select`'s picks rounded up to the engine's page grid

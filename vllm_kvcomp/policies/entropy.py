@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -134,7 +134,7 @@ class EntropyBudget(Policy):
     ratio: float | None = 0.5
     budget: int | None = None
     window: int = 32
-    interval: int = 16
+    interval: int = field(default=16, kw_only=True)
     min_ratio: float = 0.25
     max_ratio: float = 2.0
 

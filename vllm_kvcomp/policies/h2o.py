@@ -29,7 +29,7 @@ Deliberate choices (issue #17, pinned in ``tests/policies/test_h2o.py``):
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -63,7 +63,7 @@ class H2O(HeadsChoice, ScorePolicy):
     budget: int | None = None
     sink: int = 0
     window: int = 32
-    interval: int = 16
+    interval: int = field(default=16, kw_only=True)
     heads: str = "uniform"
 
     def queries_needed(self) -> int:

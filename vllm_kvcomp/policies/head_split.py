@@ -88,8 +88,8 @@ class HeadSplit(Policy):
     def due(self, state: RequestState, num_tokens: int, steps_since: int) -> bool:
         """``decode=recompress``: the retrieval heads hold every token, so the longest head is
         always over the budget; the others grow one token a step and are a page over theirs a
-        page of steps after the last compression."""
-        return steps_since >= state.page_size
+        page of steps after the last compression (and ``interval`` steps, when set)."""
+        return steps_since >= max(state.page_size, self.interval or 1)
 
     def mean_kept_bound(self, prompt_len: int, num_heads: int | None = None) -> int | None:
         """Retrieval heads keep the prompt, the other ``num_heads - R`` :meth:`others_keep` (razor's

@@ -152,6 +152,7 @@ class LagKV(Policy):
     TEST_PARAMS: ClassVar[Mapping[str, Any]] = {"ratio": 0.5, "sink": 4, "lag": 16}
     VARIANTS: ClassVar[Mapping[str, Mapping[str, Any]]] = {"exact": {"exact": 1}}
     RECOMPRESSES: ClassVar[bool] = True
+    PACED_BY_INTERVAL: ClassVar[bool] = False  # every `lag` decode steps
     STREAMS: ClassVar[bool] = True
     PARAMS: ClassVar[dict[str, Param]] = {"exact": EXACT_PARAM}
 

@@ -32,7 +32,7 @@ selection compressed nothing (prompt ≤ B), the first decode recompression make
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -77,7 +77,7 @@ class SageKV(ScorePolicy):
     ratio: float | None = 0.5
     budget: int | None = None
     sink: int | None = None
-    interval: int = 16
+    interval: int = field(default=16, kw_only=True)
 
     def queries_needed(self) -> int:
         return 1

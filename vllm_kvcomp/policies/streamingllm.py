@@ -7,7 +7,7 @@ decode the window slides: every ``interval`` steps the cache is cut back to ``B`
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -29,7 +29,7 @@ class StreamingLLM(ScorePolicy):
     ratio: float | None = 0.5
     budget: int | None = None
     sink: int = 4
-    interval: int = 16
+    interval: int = field(default=16, kw_only=True)
 
     def score(self, kv: LayerKV, state: RequestState) -> torch.Tensor:
         """[H_kv, N] recency: the logical position (later = kept)."""

@@ -25,7 +25,7 @@ then cut back to ``B`` by the latest query alone.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
@@ -67,7 +67,7 @@ class TOVA(ScorePolicy):
 
     ratio: float | None = 0.5
     budget: int | None = None
-    interval: int = 16
+    interval: int = field(default=16, kw_only=True)
     average: str = "layer"
 
     def queries_needed(self) -> int:

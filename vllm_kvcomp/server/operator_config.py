@@ -86,8 +86,18 @@ class Bounds(_Model):
     max_window: int = Field(512, ge=0, description="largest observation/recent window")
     min_interval: int = Field(
         DEFAULT_MIN_INTERVAL, ge=1,
-        description="fewest decode steps between recompressions (interval; lagkv: lag)",
+        description="fewest decode steps between recompressions (interval, filled in where a request "
+        "recompresses without one; lagkv: lag)",
     )
+
+    def paced(self, spec: CompressionSpec) -> CompressionSpec:
+        """``spec`` with ``interval`` = ``min_interval`` where it recompresses during decode and
+        leaves ``interval`` unset (``decode=recompress`` on a method without one of its own, which
+        would otherwise recompress whenever a page is over its budget)."""
+        policy = spec.build_policy()
+        if policy.recompresses and policy.interval is None and "interval" in type(policy).accepted_params():
+            return spec.with_defaults({"interval": self.min_interval})
+        return spec
 
     def check(self, policy: Any) -> None:
         """SpecError naming the first field of ``policy`` (a built policy) outside the bounds."""
@@ -248,7 +258,7 @@ class OperatorConfig:
         asked = requested.extras.get("profile")
         if kind is not None and asked not in (None, "default"):
             raise SpecError("profile", f"this server serves one {kind!r} calibration profile", "default")
-        spec = requested.with_defaults(self.policies.get(policy, {}))
+        spec = self.bounds.paced(requested.with_defaults(self.policies.get(policy, {})))
         self.bounds.check(spec.build_policy())
         return spec
 
@@ -295,6 +305,7 @@ def _default_spec(raw: Any, config: OperatorConfig) -> CompressionSpec:
             "default.policy", f"{spec.policy!r} needs a {kind!r} calibration profile", f"set profiles.{kind}"
         )
     try:
+        spec = config.bounds.paced(spec)
         config.bounds.check(spec.build_policy())
     except SpecError as err:
         raise ConfigError(f"default.{err.field}", err.message, err.allowed) from None
