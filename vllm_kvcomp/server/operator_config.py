@@ -90,13 +90,16 @@ class Bounds(_Model):
         "recompresses without one; lagkv: lag)",
     )
 
-    def paced(self, spec: CompressionSpec) -> CompressionSpec:
-        """``spec`` with ``interval`` = ``min_interval`` where it recompresses during decode and
-        leaves ``interval`` unset (``decode=recompress`` on a method without one of its own, which
-        would otherwise recompress whenever a page is over its budget)."""
+    def admit(self, spec: CompressionSpec) -> CompressionSpec:
+        """``spec`` within the bounds (SpecError naming the field otherwise), with ``interval`` =
+        ``min_interval`` where it recompresses during decode and leaves ``interval`` unset
+        (``decode=recompress`` on a method without one of its own, which would otherwise
+        recompress whenever a page is over its budget)."""
         policy = spec.build_policy()
-        if policy.recompresses and policy.interval is None and "interval" in type(policy).accepted_params():
-            return spec.with_defaults({"interval": self.min_interval})
+        if policy.recompresses and policy.interval is None and policy.PACED_BY_INTERVAL:
+            spec = spec.with_defaults({"interval": self.min_interval})
+            policy = spec.build_policy()
+        self.check(policy)
         return spec
 
     def check(self, policy: Any) -> None:
@@ -258,9 +261,7 @@ class OperatorConfig:
         asked = requested.extras.get("profile")
         if kind is not None and asked not in (None, "default"):
             raise SpecError("profile", f"this server serves one {kind!r} calibration profile", "default")
-        spec = self.bounds.paced(requested.with_defaults(self.policies.get(policy, {})))
-        self.bounds.check(spec.build_policy())
-        return spec
+        return self.bounds.admit(requested.with_defaults(self.policies.get(policy, {})))
 
     def usable_policies(self) -> tuple[str, ...]:
         """Allowed policies whose calibration profile (if any) is configured."""
@@ -271,7 +272,7 @@ class OperatorConfig:
         """The operator defaults + class defaults of an allowed policy must fit the bounds."""
         try:
             spec = CompressionSpec(policy=name).with_defaults(self.policies.get(name, {}))
-            self.bounds.check(spec.build_policy())
+            self.bounds.admit(spec)
         except SpecError as err:
             raise ConfigError(
                 f"policies.{name}.{err.field}",
@@ -305,8 +306,7 @@ def _default_spec(raw: Any, config: OperatorConfig) -> CompressionSpec:
             "default.policy", f"{spec.policy!r} needs a {kind!r} calibration profile", f"set profiles.{kind}"
         )
     try:
-        spec = config.bounds.paced(spec)
-        config.bounds.check(spec.build_policy())
+        spec = config.bounds.admit(spec)
     except SpecError as err:
         raise ConfigError(f"default.{err.field}", err.message, err.allowed) from None
     return spec
