@@ -86,10 +86,10 @@ def test_pyramidkv_returns_each_layer_to_its_first_budget(fake_request):
                                   if "interval" in get_policy_class(n).accepted_params()])
 def test_interval_spaces_the_recompressions(name, fake_request):
     """``interval=N``: at most one recompression per N decode steps, for every policy it paces
-    (a one-shot policy under ``decode=recompress`` too; lagkv is paced by ``lag`` and has none)."""
+    (a one-shot policy under ``decode=recompress`` too; which policies an interval paces:
+    test_matrix's ``test_an_interval_means_recompression``)."""
     decode = {} if get_policy_class(name).RECOMPRESSES else {"decode": "recompress"}
     steps, every = 60, 20
     done = list(compressions(make_policy(name, interval=every, **decode), fake_request(64, 2, 3, seed=6),
                              decode_steps=steps))
     assert 2 <= len(done) <= 1 + steps // every
-    assert "interval" not in get_policy_class("lagkv").accepted_params()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import shlex
+import signal
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -51,7 +52,17 @@ def run_benchmark(module: ModuleType, name: str, argv: list[str], command: list[
     parser = build_parser(module, name, " ".join(command[: len(command) - len(argv)]))
     args = parser.parse_args(argv)
     args.command = shlex.join(command)
-    return int(module.run(args) or 0)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return int(module.run(args) or 0)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM (``timeout``, ``kill``, a CI runner) stops a benchmark as Ctrl-C does: the servers
+    and engines it started are stopped on the way out instead of outliving it."""
+    raise KeyboardInterrupt
 
 
 def module_main(module: ModuleType, name: str, argv: list[str] | None) -> int:

@@ -53,7 +53,6 @@ import math
 import os
 import random
 import shutil
-import signal
 import statistics
 import string
 import time
@@ -1180,14 +1179,8 @@ def soak_all(args: argparse.Namespace) -> list[RunData]:
     return runs
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    """SIGTERM stops the soak as Ctrl-C does: the server is stopped on the way out."""
-    raise KeyboardInterrupt
-
-
 def run(args: argparse.Namespace) -> int:
     """Soak, write the report and the plot; exit status 1 when a run did not hold (:func:`verdict`)."""
-    signal.signal(signal.SIGTERM, _interrupt)
     runs = soak_all(args)
     plot = plot_runs(runs, args.out.with_name(f"{args.out.stem}_timeline.png"), args.window)
     body = render(runs, plot)

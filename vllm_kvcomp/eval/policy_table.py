@@ -57,11 +57,8 @@ def parameters(name: str) -> str:
     defaults = {f.name: f.default for f in fields(cls) if f.default is not MISSING}
     accepted = cls.accepted_params()
     keys = [k for k in accepted if k not in ("prefill", *SHARED)] + [k for k in accepted if k == "prefill"]
-    implicit = dict(cls.IMPLICIT_DEFAULTS)
-    if defaults.get("interval") is None:
-        implicit.setdefault("interval", "a page")  # decode=recompress: whenever a page is over the budget
-    parts = [f"`{k}`={implicit.get(k) or _text(defaults.get(k))} ({span(accepted[k])})"
-             for k in keys]
+    parts = [f"`{k}`={_text(defaults[k]) if defaults.get(k) is not None else cls.IMPLICIT_DEFAULTS.get(k, '–')}"
+             f" ({span(accepted[k])})" for k in keys]
     return "; ".join(parts) or "–"
 
 

@@ -369,8 +369,8 @@ def protected_topk(
 
 PREFILL_PARAM = Param(
     "prefill", str, "end", choices=("end", "stream"),
-    help="compress the prompt once at its end, or after every prefill chunk (bounded memory; "
-    "streamingllm, knorm, lagkv, razor)",
+    help="compress the prompt once at its end, or after every prefill chunk (bounded memory; the "
+    "policies that stream during prefill: docs/policies.md)",
 )
 SCOPE_PARAM = Param(
     "scope", str, "all", choices=("all", "context"),
@@ -406,8 +406,10 @@ class Policy:
     #: The method's paper, short (``–`` for none; the same table).
     PAPER: ClassVar[str] = "–"
     PARAMS: ClassVar[dict[str, Param]] = {}
-    #: Defaults that ``None`` stands for, in words (the same table), e.g. ``{"sink": "B/4"}``.
-    IMPLICIT_DEFAULTS: ClassVar[Mapping[str, str]] = {}
+    #: Defaults that ``None`` stands for, in words (the same table), e.g. ``{"sink": "B/4"}``;
+    #: a subclass adds its own to these. No ``interval``: recompress whenever a page is over the
+    #: budget (the server fills its ``bounds.min_interval``).
+    IMPLICIT_DEFAULTS: ClassVar[Mapping[str, str]] = {"interval": "a page"}
     #: Spec settings small enough that a prompt of tens of tokens and a few decode steps reach
     #: every code path (compression, recompression); the shared tests run the policy with them
     #: (tests/policies/test_matrix.py, the engine's oracle equality).

@@ -137,7 +137,7 @@ class CriticalKV(ScorePolicy):
         "adaptive": {"heads": "adaptive"}, "expected_attention": {"inner": "expected_attention"}}
     NEEDS_OUT_PROJ: ClassVar[bool] = True
     IMPLICIT_DEFAULTS: ClassVar[Mapping[str, str]] = {
-        "window": "32 (snapkv)", "kernel": "7 (snapkv)", "sink": "4 (expected_attention)",
+        **ScorePolicy.IMPLICIT_DEFAULTS, "window": "32 (snapkv)", "kernel": "7 (snapkv)", "sink": "4 (expected_attention)",
         "observe": "64 (expected_attention)"}
     PARAMS: ClassVar[dict[str, Param]] = {
         "inner": Param("inner", str, "snapkv", choices=tuple(INNER_SCORERS),

@@ -52,7 +52,7 @@ class DuoAttention(HeadSplit):
     PAPER: ClassVar[str] = "Xiao et al. 2024"
     TEST_PARAMS: ClassVar[Mapping[str, Any]] = {"ratio": 0.5, "sink": 4, "recent": 16}
     VARIANTS: ClassVar[Mapping[str, Mapping[str, Any]]] = {"exact": {"exact": 1}}
-    IMPLICIT_DEFAULTS: ClassVar[Mapping[str, str]] = {"sparsity": "gate ≥ profile threshold"}
+    IMPLICIT_DEFAULTS: ClassVar[Mapping[str, str]] = {**HeadSplit.IMPLICIT_DEFAULTS, "sparsity": "gate ≥ profile threshold"}
     PROFILE: ClassVar[str | None] = "duoattention"
     STREAMS: ClassVar[bool] = True
     FIT_HINT: ClassVar[str] = "a larger sparsity (fewer retrieval heads), or exact=1 for the paper's sink + recent"

@@ -70,7 +70,7 @@ class SageKV(ScorePolicy):
     KEEPS: ClassVar[str] = (
         "sink B/4 + union of per-query-head top-k of the last token + recent (recompresses)")
     PAPER: ClassVar[str] = "Wang et al. 2025 (paper 001)"
-    IMPLICIT_DEFAULTS: ClassVar[Mapping[str, str]] = {"sink": "B/4"}
+    IMPLICIT_DEFAULTS: ClassVar[Mapping[str, str]] = {**ScorePolicy.IMPLICIT_DEFAULTS, "sink": "B/4"}
     TEST_PARAMS: ClassVar[Mapping[str, Any]] = {"ratio": 0.5, "interval": 4}
     RECOMPRESSES: ClassVar[bool] = True
 
