@@ -57,8 +57,9 @@ def parameters(name: str) -> str:
     defaults = {f.name: f.default for f in fields(cls) if f.default is not MISSING}
     accepted = cls.accepted_params()
     keys = [k for k in accepted if k not in ("prefill", *SHARED)] + [k for k in accepted if k == "prefill"]
-    parts = [f"`{k}`={_text(defaults[k]) if defaults.get(k) is not None else cls.IMPLICIT_DEFAULTS.get(k, '–')}"
-             f" ({span(accepted[k])})" for k in keys]
+    shown = {k: _text(defaults[k]) if defaults.get(k) is not None else cls.IMPLICIT_DEFAULTS.get(k, "–")
+             for k in keys}  # None: what it stands for, in words
+    parts = [f"`{k}`={shown[k]} ({span(accepted[k])})" for k in keys]
     return "; ".join(parts) or "–"
 
 
