@@ -41,6 +41,17 @@ def test_cpu_smoke_run_writes_every_phase(tmp_path: Path, capsys) -> None:
         assert title in text
 
 
+def test_decide_profile_names_each_policys_functions_and_operators(tmp_path: Path) -> None:
+    profile = tmp_path / "profile.txt"
+    argv = ["--device", "cpu", "--phases", "decide", "--kv-heads", "2", "--head-dim", "16", "--decide-contexts", "64",
+            "--policies", "snapkv,h2o adaptive", "--profile", str(profile), "--out", str(tmp_path / "k.md")]
+    assert bench_kernels.main(argv) == 0
+    sections = profile.read_text().split("######## ")[1:]
+    assert [s.splitlines()[0] for s in sections] == ["snapkv N=64", "h2o adaptive N=64"]
+    assert all("Ordered by: internal time" in s and "vllm_kvcomp/policies/" in s for s in sections)  # cProfile
+    assert all("aten::" in s for s in sections)  # torch.profiler's operators
+
+
 def test_bytes_moved_counts_kv_once_and_q_out_once() -> None:
     a = argparse.Namespace(kv_heads=2, group=4, head_dim=8, dtype=torch.bfloat16)
     # KV: 3 requests x 2 heads x 10 slots x (K + V) x 8 x 2 bytes; q and out: 2 x 3 x 8 x 8 x 2

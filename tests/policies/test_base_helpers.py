@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vllm_kvcomp.policies import base
@@ -12,6 +13,7 @@ from vllm_kvcomp.policies.base import (
     SlotMemory,
     keep_pinned,
     page_count,
+    protected_topk,
     round_to_pages,
 )
 from vllm_kvcomp.policies.streamingllm import StreamingLLM
@@ -99,3 +101,74 @@ def test_budget_above_prompt_is_kept_for_decode():
     ratio_state = RequestState()
     StreamingLLM(ratio=0.5).decide([LayerKV(torch.zeros(1, 30, 2), torch.zeros(1, 30, 2))], ratio_state)[0]
     assert ratio_state.budget == 15
+
+
+# ---------------------------------------------------------------------------- the selection helpers
+# against plain per-head references: every head at once must pick what one head at a time picks
+
+
+def reference_protected_topk(scores, keeps, lengths, sink, window):
+    """Per head: the live sink and window slots, then the best-ranked others (ties: later slot)."""
+    n = scores.shape[1]
+    out = []
+    for h, keep in enumerate(keeps):
+        length = int(lengths[h])
+        start, k = n - length, min(keep, length)
+        s = min(sink, k)
+        w = min(window, k - s)
+        chosen = set(range(start, start + s)) | set(range(n - w, n))
+        middle = sorted(range(start + s, n - w), key=lambda slot: (-float(scores[h, slot]), -slot))
+        chosen |= set(middle[: k - len(chosen)]) if k < length else set(range(start, n))
+        out.append(sorted(chosen))
+    return out
+
+
+def reference_round_to_pages(indices, priority, lengths, n, quantum):
+    """Per head: the pick plus its best free live slots (the most recent without a priority)."""
+    out = []
+    for h, idx in enumerate(indices):
+        length, picked = int(lengths[h]), set(idx.tolist())
+        free = [s for s in range(n - length, n) if s not in picked]
+        rank = [(0.0 if priority is None else -float(priority[h, s]), -s, s) for s in free]
+        extra = page_count(len(picked), length, quantum) - len(picked)
+        out.append(sorted(picked | {s for _, _, s in sorted(rank)[: max(extra, 0)]}))
+    return out
+
+
+def random_layer(seed: int, heads: int = 4, n: int = 37):
+    """Scores with ties (a few distinct values) and ragged live lengths (a head may be empty)."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, 5, (heads, n), generator=gen).float()
+    lengths = torch.randint(0, n + 1, (heads,), generator=gen)
+    lengths[0] = n
+    return gen, scores, lengths
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize(("sink", "window"), [(0, 0), (2, 3), (5, 0), (0, 40)])
+def test_protected_topk_matches_one_head_at_a_time(seed, sink, window):
+    gen, scores, lengths = random_layer(seed)
+    keeps = torch.randint(0, 45, (scores.shape[0],), generator=gen).tolist()
+    got = protected_topk(scores, keeps, lengths, sink, window)
+    assert [idx.tolist() for idx in got] == reference_protected_topk(scores, keeps, lengths, sink, window)
+    assert all(idx.dtype == torch.long for idx in got)
+    shared = protected_topk(scores[:1].expand_as(scores), 9, lengths, sink, window)  # a layer-shared ranking
+    assert [idx.tolist() for idx in shared] == reference_protected_topk(scores[:1].expand_as(scores), [9] * 4,
+                                                                        lengths, sink, window)
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("with_priority", [True, False])
+def test_round_to_pages_matches_one_head_at_a_time(seed, with_priority):
+    gen, scores, lengths = random_layer(seed)
+    n = scores.shape[1]
+    picks = [torch.sort(torch.randperm(int(length), generator=gen)[: int(length) // 3]).values + n - int(length)
+             for length in lengths]
+    kv = LayerKV(torch.zeros(4, n, 2), torch.zeros(4, n, 2), lengths=lengths)
+    quantum = (8, n % 8)
+    pick = Selection(picks, priority=scores if with_priority else None)
+    got = round_to_pages(pick, kv, quantum)
+    want = reference_round_to_pages(picks, scores if with_priority else None, lengths, n, quantum)
+    assert [idx.tolist() for idx in got.indices] == want
+    assert got.priority is pick.priority
+    assert all(got.indices[h] is picks[h] for h in range(4) if len(want[h]) == len(picks[h]))  # untouched heads

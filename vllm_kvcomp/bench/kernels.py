@@ -23,6 +23,9 @@ Three phases (``--phases``, all by default):
     ``.cpu()``) and the policy decided there; **now** the policy is given the K/V and queries on
     the device (it scores there and selects on the host). Both times, the error the device way
     raises if any, and how many of the host's kept slots it keeps (the scores differ in rounding).
+    ``--profile FILE`` also writes where each policy's decide spends its time (the device way on
+    a GPU, the host way on CPU): Python functions by own time, torch operators by host and
+    device time.
 
 Bandwidth = the bytes a call must move (each KV byte it reads once, q read and out written once;
 a move reads and writes every moved cell) / median time. GPU times come from
@@ -96,6 +99,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, help="CPU only: timed runs per point (default 1)")
     p.add_argument("--max-gib", type=float, default=40.0, help="skip points whose buffers exceed this")
     p.add_argument("--json", type=Path, help="also write the rows here")
+    p.add_argument("--profile", type=Path,
+                   help="decide phase: write each policy's profile here (Python functions, torch operators)")
 
 
 def _resolve_defaults(a: argparse.Namespace) -> None:
@@ -435,6 +440,34 @@ def _timed(fn: Callable[[], object], device: str) -> tuple[object, float]:
     return out, (time.perf_counter() - t0) * 1e3
 
 
+def profile_call(path: Path, title: str, fn: Callable[[], object], device: str) -> None:
+    """Append to ``path`` where one call of ``fn`` spends its time: Python functions by own time
+    (``cProfile``), torch operators by host time and, on a GPU, by device time (``torch.profiler``)."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    functions = cProfile.Profile()
+    sync()
+    functions.enable()
+    fn()
+    sync()
+    functions.disable()
+    text = io.StringIO()
+    pstats.Stats(functions, stream=text).sort_stats("tottime").print_stats(20)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as ops:
+        fn()
+        sync()
+    tables = [ops.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=50)
+              for key in ["self_cpu_time_total"] + (["self_cuda_time_total"] if device == "cuda" else [])]
+    with path.open("a") as out:
+        out.write("\n".join([f"######## {title}", text.getvalue(), *tables, ""]))
+
+
 def kept_overlap(host: list, device: list) -> float:
     """Fraction of the host selections' kept slots the device selections keep too (1.0 = the same)."""
     same = total = 0
@@ -503,6 +536,9 @@ def bench_decide(a: argparse.Namespace, n: int) -> list[Row]:
                 extra["overlap"] = kept_overlap(host, on_device)
             except (RuntimeError, TypeError, ValueError) as err:  # measured: what this policy does on a device
                 extra["device_error"] = str(err).splitlines()[0][:120]
+        if a.profile and "device_error" not in extra:
+            inputs = device_inputs if dev == "cuda" else host_inputs
+            profile_call(a.profile, f"{label} N={n}", functools.partial(decide, policy, inputs), dev)
         kept = sum(len(idx) for sel in host for idx in sel.indices) / (nl * hk * n)
         rows.append(Row("decide", label, n, nl, kept, host_ms, 0.0, 0.0, extra))
         print(f"decide N={n} {label}: host {host_ms:.0f} ms, {extra}", flush=True)
@@ -596,6 +632,8 @@ def run(a: argparse.Namespace) -> int:
     if "compact" in a.phases:
         rows += bench_compact(a, measure, copy_gbps)
     if "decide" in a.phases:
+        if a.profile:
+            a.profile.write_text("")
         for n in a.decide_contexts:
             rows += bench_decide(a, n)
             if a.device == "cuda":

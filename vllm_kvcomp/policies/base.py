@@ -169,8 +169,7 @@ class Selection:
     @classmethod
     def keep_valid(cls, kv: LayerKV) -> Selection:
         """Keep every live token (the no-op selection)."""
-        mask = kv.valid_mask()
-        return cls([torch.nonzero(mask[h]).flatten() for h in range(kv.num_kv_heads)])
+        return cls(head_rows(kv.valid_mask()))
 
 
 class Ranks:
@@ -256,26 +255,44 @@ def page_count(kept: int, length: int, quantum: tuple[int, int] | None) -> int:
 def round_to_pages(pick: Selection, kv: LayerKV, quantum: tuple[int, int] | None) -> Selection:
     """``pick`` of layer ``kv`` with each head's slots rounded up to the page grid ``quantum`` by
     its next-best live slots (``pick.priority``; the most recent where None). Free quality: the
-    page is held anyway. The same object when nothing needs adding."""
+    page is held anyway. The same object when nothing needs adding; a head that needs nothing
+    keeps its own tensor."""
     lengths, n = kv.valid_lengths(), kv.num_slots
-    out, changed = [], False
-    for h, idx in enumerate(pick.indices):
-        length = int(lengths[h])
-        extra = page_count(len(idx), length, quantum) - len(idx)
-        if extra <= 0:
-            out.append(idx)
-            continue
-        free = torch.ones(n, dtype=torch.bool)
-        free[: n - length] = False
-        free[idx] = False
-        if pick.priority is None:
-            chosen = torch.nonzero(free).flatten().flip(0)[:extra]  # the most recent
-        else:
-            row = pick.priority.order[h]
-            chosen = row[free[row]][:extra]
-        out.append(torch.sort(torch.cat([idx, chosen])).values)
-        changed = True
-    return Selection(out, pick.compensation, pick.priority) if changed else pick
+    counts = pick.counts()
+    extra = torch.tensor([page_count(int(c), int(length), quantum) for c, length in zip(counts, lengths)],
+                         dtype=torch.long) - counts
+    if not bool((extra > 0).any()):
+        return pick
+    taken = slot_mask(pick.indices, n)
+    free = (torch.arange(n).unsqueeze(0) >= (n - lengths).unsqueeze(1)) & ~taken
+    order = pick.priority.order if pick.priority is not None else torch.arange(n - 1, -1, -1).expand(len(counts), n)
+    rows = head_rows(taken | first_in_order(order, free, extra.clamp(min=0)))
+    out = [rows[h] if extra[h] > 0 else idx for h, idx in enumerate(pick.indices)]
+    return Selection(out, pick.compensation, pick.priority)
+
+
+def slot_mask(indices: Sequence[torch.Tensor], num_slots: int) -> torch.Tensor:
+    """[H, N] host bool, True at each head's ``indices`` (H tensors of slots in [0, N))."""
+    mask = torch.zeros(len(indices), num_slots, dtype=torch.bool)
+    if indices:
+        counts = torch.tensor([len(idx) for idx in indices], dtype=torch.long)
+        rows = torch.repeat_interleave(torch.arange(len(indices)), counts)
+        mask[rows, torch.cat([idx.to(torch.long).cpu() for idx in indices])] = True
+    return mask
+
+
+def head_rows(mask: torch.Tensor) -> list[torch.Tensor]:
+    """[H, N] bool -> H ascending int64 tensors of each row's True slots (one ``nonzero`` for all)."""
+    slots = torch.nonzero(mask)[:, 1].contiguous()
+    return list(torch.split(slots, mask.sum(dim=1).tolist()))
+
+
+def first_in_order(order: torch.Tensor, allowed: torch.Tensor, quota: torch.Tensor) -> torch.Tensor:
+    """[H, N] bool: per row h, the first ``quota[h]`` slots of ``order[h]`` (slot indices, best
+    first) where ``allowed`` [H, N] is True (fewer where fewer are allowed)."""
+    candidate = allowed.gather(1, order)
+    take = candidate & (candidate.cumsum(dim=1, dtype=torch.int32) <= quota.to(torch.int32).unsqueeze(1))
+    return torch.zeros_like(allowed).scatter_(1, order, take)
 
 
 # ---------------------------------------------------------------------------- shared helpers
@@ -325,8 +342,11 @@ def visible_softmax(logits: torch.Tensor) -> torch.Tensor:
 def ranked_slots(scores: torch.Tensor) -> torch.Tensor:
     """[H, N] each row's slot indices by descending score, equal scores the later slot first: one
     stable sort of every row where the scores are, the order brought to the host (a subset of a
-    row keeps this order, so a head's candidates are its row filtered)."""
+    row keeps this order, so a head's candidates are its row filtered). Scores that are one row
+    expanded over the heads (a layer-shared ranking) are sorted once."""
     n = scores.shape[-1]
+    if scores.shape[0] > 1 and scores.stride(0) == 0:
+        return ranked_slots(scores[:1]).expand(scores.shape[0], n)
     return n - 1 - torch.sort(scores.float().flip(-1), dim=-1, descending=True, stable=True).indices.cpu()
 
 
@@ -343,26 +363,35 @@ def protected_topk(
     list). Ties break towards the *later* slot. Returns H sorted index tensors of size
     ``min(keep, length)``.
     """
+    return head_rows(protected_mask(scores, keep, lengths, sink, window))
+
+
+def protected_mask(
+    scores: torch.Tensor | Ranking,
+    keep: int | Sequence[int],
+    lengths: torch.Tensor,
+    sink: int = 0,
+    window: int = 0,
+) -> torch.Tensor:
+    """:func:`protected_topk` as a [H, N] host bool mask, every head at once (the scores are
+    ranked only when some head picks beyond its sink and window)."""
     ranking = Ranking.of(scores)
     num_heads, n = ranking.scores.shape
-    keeps = [keep] * num_heads if isinstance(keep, int) else list(keep)
-    out = []
-    for h in range(num_heads):
-        length = int(lengths[h])
-        k = min(int(keeps[h]), length)
-        start = n - length
-        if k >= length:
-            out.append(torch.arange(start, n))
-            continue
-        s = min(sink, k)
-        w = min(window, k - s)
-        protected = torch.cat([torch.arange(start, start + s), torch.arange(n - w, n)])
-        rest = k - s - w
-        if rest > 0 and n - w > start + s:
-            row = ranking.order[h]
-            protected = torch.cat([protected, row[(row >= start + s) & (row < n - w)][:rest]])
-        out.append(torch.unique(protected))
-    return out
+    lengths = lengths.to(torch.long).cpu()
+    keeps = torch.tensor([keep] * num_heads if isinstance(keep, int) else [int(k) for k in keep], dtype=torch.long)
+    k = torch.minimum(keeps.clamp(min=0), lengths)
+    start = n - lengths
+    s = k.clamp(max=sink)
+    w = (k - s).clamp(max=window)
+    whole = k >= lengths
+    rest = torch.where(whole, 0, k - s - w)
+    slots = torch.arange(n).unsqueeze(0)
+    live = slots >= start.unsqueeze(1)
+    protected = (slots < (start + s).unsqueeze(1)) | (slots >= (n - w).unsqueeze(1)) | whole.unsqueeze(1)
+    mask = live & protected
+    if bool((rest > 0).any()):
+        mask |= first_in_order(ranking.order, live & ~protected, rest)
+    return mask
 
 
 # ---------------------------------------------------------------------------- policy base
@@ -710,16 +739,17 @@ class SlotMemory:
     ) -> SlotMemory:
         """Remember ``values`` [H, N] at the kept slots; ``positions`` [H, N] of the same layer."""
         width = max((len(i) for i in indices), default=0)
+        positions, values = positions.cpu(), values.cpu()
         pos = torch.full((len(indices), width), -1, dtype=torch.long)
         val = torch.zeros((len(indices), width), dtype=values.dtype)
         for h, idx in enumerate(indices):
             idx = idx.to(torch.long).cpu()
             if not len(idx):
                 continue
-            head_pos = positions[h].cpu()[idx]
+            head_pos = positions[h][idx]
             order = torch.argsort(head_pos)
             pos[h, width - len(idx):] = head_pos[order]
-            val[h, width - len(idx):] = values[h].cpu()[idx][order]
+            val[h, width - len(idx):] = values[h][idx][order]
         return cls(pos, val)
 
     def lookup(self, positions: torch.Tensor, fill: float = 0) -> torch.Tensor:

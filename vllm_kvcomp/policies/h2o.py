@@ -76,13 +76,14 @@ class H2O(HeadsChoice, ScorePolicy):
         """
         memory = state.layer(kv.layer, H2OMemory)
         positions = kv.slot_positions()
-        acc = memory.acc.lookup(positions) if memory.acc is not None else torch.zeros(positions.shape)
+        device = kv.keys.device  # the accumulators are ranked where the cache is; they are kept on the host
+        acc = (memory.acc.lookup(positions) if memory.acc is not None else torch.zeros(positions.shape)).to(device)
         counted = memory.counted
         query_pos = kv.window_query_positions()
         fresh = query_pos > counted
         if bool(fresh.any()):
-            probs = window_attention(kv)[:, fresh.to(kv.keys.device)].sum(dim=1)  # [H_q, N]
-            acc = acc + reduce_gqa(probs, kv.num_kv_heads).float().cpu()
+            probs = window_attention(kv)[:, fresh.to(device)].sum(dim=1)  # [H_q, N]
+            acc = acc + reduce_gqa(probs, kv.num_kv_heads).float()
             counted = int(query_pos.max())
         memory.pending = (acc, counted)
         return acc

@@ -29,6 +29,8 @@ from vllm_kvcomp.policies.base import (
     RequestState,
     ScorePolicy,
     Selection,
+    head_rows,
+    protected_mask,
     protected_topk,
 )
 
@@ -59,23 +61,19 @@ def adaptive_topk(
     """
     ranking = Ranking.of(scores)
     scores = ranking.scores
-    num_heads, n = scores.shape
+    n = scores.shape[1]
     lengths = lengths.to(torch.long).cpu()
     total = int(torch.clamp(lengths, max=budget).sum())
     base = min(budget, max(sink + window, math.ceil(floor * budget - 1e-9)))
-    kept = protected_topk(ranking, base, lengths, sink, window)
-    taken = torch.zeros(num_heads, n, dtype=torch.bool)
-    for h, idx in enumerate(kept):
-        taken[h, idx] = True
-    live = torch.arange(n).unsqueeze(0) >= (n - lengths).unsqueeze(1)
+    taken = protected_mask(ranking, base, lengths, sink, window)
     extra = total - int(taken.sum())
-    if extra <= 0:
-        return kept
-    hidden = (~live | taken).to(scores.device)
-    candidates = scores.float().masked_fill(hidden, float("-inf")).flatten()  # ranked where the scores are
-    best = torch.sort(candidates, descending=True, stable=True).indices[:extra].cpu()
-    taken.view(-1)[best] = True
-    return [torch.nonzero(taken[h]).flatten() for h in range(num_heads)]
+    if extra > 0:
+        live = torch.arange(n).unsqueeze(0) >= (n - lengths).unsqueeze(1)
+        hidden = (~live | taken).to(scores.device)
+        candidates = scores.float().masked_fill(hidden, float("-inf")).flatten()  # ranked where the scores are
+        best = torch.sort(candidates, descending=True, stable=True).indices[:extra].cpu()
+        taken.view(-1)[best] = True
+    return head_rows(taken)
 
 
 class HeadsChoice:
