@@ -16,6 +16,10 @@
 #   * snapkv with a 31-wide pooling kernel at 0.25 (docs/results/niah_investigation.md: the
 #     default 7 keeps only the first digits of a needle on this digit-per-token tokenizer).
 # 26 conditions, 1500 samples, 1780 requests (multiturn sends two).
+#   * issue #27's six policies at ratios 0.5 and 0.25, 10 samples per cell (added 2026-11-27:
+#     keydiff, tova, pyramidkv, expected_attention, criticalkv at their defaults; duoattention
+#     with sparsity=0.8, since its default head split keeps 0.48 of the bundled model's cache
+#     and the server refuses ratio 0.25): 12 conditions, 600 samples more.
 #
 # Since #28 `ratio` is the mean fraction kept for lagkv and razor too; the run in power.jsonl
 # (2026-11-23) used the papers' rules, which are `exact=1` today (lagkv held 0.33 and razor 0.46
@@ -43,6 +47,7 @@ POLICIES="full,streamingllm,snapkv,h2o,knorm,sagekv,lagkv,entropy,razor,pod"
 POLICIES+=",razor:buffer=64:exact=1:ratio=0.07,snapkv:ratio=0.3,entropy:min_ratio=1:max_ratio=1:ratio=0.25"
 POLICIES+=",lagkv:lag=32:ratio=0.25,lagkv:lag=64:ratio=0.25,lagkv:lag=256:ratio=0.25"
 POLICIES+=",snapkv:kernel=31:ratio=0.25"
+POLICIES+=",keydiff,tova,pyramidkv,expected_attention,criticalkv,duoattention:sparsity=0.8"
 EVAL=(python3 -m vllm_kvcomp eval --model SmolLM2-135M-Instruct
       --tasks passkey5,passkey64,niah,multi_niah,multiturn --policies "$POLICIES"
       --ratios 0.5,0.25 --lengths 2k --depths 0,25,50,75,100
