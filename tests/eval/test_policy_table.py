@@ -66,7 +66,7 @@ def test_run_power_script_runs_every_claim_and_the_lag_sweep() -> None:
     assert {("lagkv:lag=32", 0.25), ("lagkv:lag=64", 0.25), ("lagkv", 0.25),
             ("lagkv:lag=256", 0.25)} <= labels
     assert ("snapkv:kernel=31", 0.25) in labels
-    assert len(conds) == 26
+    assert len(conds) == 38  # 26 (issue #17) + issue #27's six policies at both ratios
     # the script is the run that wrote power.jsonl: every policy it names has results there, and a
     # policy added since (no quality yet) says so in the docs table instead of a number
     measured = {json.loads(line)["policy"] for line in (ROOT / "docs/results/power.jsonl").open()}
