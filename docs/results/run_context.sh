@@ -29,7 +29,7 @@ PORT=${PORT:-8767}
 SCOPE=${SCOPE:-context}
 OUT=docs/results/context_$SCOPE.jsonl
 POLICIES="full,streamingllm,snapkv,h2o,knorm,sagekv,lagkv,entropy,razor:ratio=0.3,pod"
-POLICIES+=",keydiff,tova,pyramidkv,expected_attention,criticalkv,duoattention:sparsity=0.9"
+POLICIES+=",keydiff,tova,pyramidkv,expected_attention,criticalkv,duoattention:sparsity=0.9,duoattention:sparsity=0.8"
 EVAL=(python3 -m vllm_kvcomp eval --model SmolLM2-135M-Instruct
       --tasks niah,multi_niah,cwe,fwe --policies "$POLICIES" --ratios 0.25 --scope "$SCOPE"
       --lengths 2k --depths 0,25,50,75,100 --samples "${SAMPLES:-20}" --seed 0
