@@ -14,7 +14,8 @@
 # answers 400 naming the feasible range): razor's 24 retrieval heads hold 0.267 of the cache by
 # themselves, so it runs at 0.3; duoattention's gate threshold makes 43 of the 90 (layer, KV
 # head) pairs retrieval heads (0.478), so it runs with sparsity=0.9 (9 retrieval heads, the rest
-# sink + recent) at 0.25. passkey is left out: with the question in a message of its own the
+# sink + recent) at 0.25, and with sparsity=0.8 (18 retrieval heads; added 2026-11-27, the best
+# cell of the powered run at 0.25). passkey is left out: with the question in a message of its own the
 # 135M model answers it without reading the document even with full cache (0/8 in
 # docs/results/scope_pilot.md), so it would measure nothing about the policies; so is RULER's
 # variable tracking (vt): full cache answered 0 of its first 3 samples here (it lists the filler
