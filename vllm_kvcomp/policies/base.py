@@ -69,8 +69,7 @@ class LayerKV:
 
     def valid_mask(self) -> torch.Tensor:
         """[H_kv, N] bool, True where the slot holds a live token."""
-        start = self.num_slots - self.valid_lengths()
-        return torch.arange(self.num_slots).unsqueeze(0) >= start.unsqueeze(1)
+        return live_mask(self.valid_lengths(), self.num_slots)
 
     def slot_positions(self) -> torch.Tensor:
         """[H_kv, N] int64 logical positions (-1 where invalid)."""
@@ -264,11 +263,16 @@ def round_to_pages(pick: Selection, kv: LayerKV, quantum: tuple[int, int] | None
     if not bool((extra > 0).any()):
         return pick
     taken = slot_mask(pick.indices, n)
-    free = (torch.arange(n).unsqueeze(0) >= (n - lengths).unsqueeze(1)) & ~taken
+    free = kv.valid_mask() & ~taken
     order = pick.priority.order if pick.priority is not None else torch.arange(n - 1, -1, -1).expand(len(counts), n)
     rows = head_rows(taken | first_in_order(order, free, extra.clamp(min=0)))
     out = [rows[h] if extra[h] > 0 else idx for h, idx in enumerate(pick.indices)]
     return Selection(out, pick.compensation, pick.priority)
+
+
+def live_mask(lengths: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """[H, N] host bool, True on each head's ``lengths[h]`` live (right-aligned) slots."""
+    return torch.arange(num_slots).unsqueeze(0) >= (num_slots - lengths.to(torch.long).cpu()).unsqueeze(1)
 
 
 def slot_mask(indices: Sequence[torch.Tensor], num_slots: int) -> torch.Tensor:
@@ -386,7 +390,7 @@ def protected_mask(
     whole = k >= lengths
     rest = torch.where(whole, 0, k - s - w)
     slots = torch.arange(n).unsqueeze(0)
-    live = slots >= start.unsqueeze(1)
+    live = live_mask(lengths, n)
     protected = (slots < (start + s).unsqueeze(1)) | (slots >= (n - w).unsqueeze(1)) | whole.unsqueeze(1)
     mask = live & protected
     if bool((rest > 0).any()):

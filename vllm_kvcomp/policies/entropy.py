@@ -39,6 +39,7 @@ from vllm_kvcomp.policies.base import (
     SlotMemory,
     keep_pinned,
     protected_topk,
+    slot_mask,
     visible_softmax,
     window_logits,
 )
@@ -170,11 +171,8 @@ class EntropyBudget(Policy):
         start = kv.num_slots - lengths
         slots = torch.arange(kv.num_slots).unsqueeze(0)
         middle = (slots >= (start + sink).unsqueeze(1)) & (slots < kv.num_slots - recent)
-        kept = torch.zeros_like(middle)
-        for h, idx in enumerate(chosen):  # the top-ranked picks are pinned, page-rounding extras are not
-            kept[h, idx] = True
-        memory = state.layer(kv.layer, EntropyMemory)
-        memory.budget, memory.sink, memory.picked = budget, sink, kept & middle
+        memory = state.layer(kv.layer, EntropyMemory)  # the top-ranked picks are pinned, page-rounding extras are not
+        memory.budget, memory.sink, memory.picked = budget, sink, slot_mask(chosen, kv.num_slots) & middle
         return Selection(chosen, priority=priority)
 
     def _slide(self, kv: LayerKV, state: RequestState) -> Selection:

@@ -30,6 +30,7 @@ from vllm_kvcomp.policies.base import (
     ScorePolicy,
     Selection,
     head_rows,
+    live_mask,
     protected_mask,
     protected_topk,
 )
@@ -68,8 +69,7 @@ def adaptive_topk(
     taken = protected_mask(ranking, base, lengths, sink, window)
     extra = total - int(taken.sum())
     if extra > 0:
-        live = torch.arange(n).unsqueeze(0) >= (n - lengths).unsqueeze(1)
-        hidden = (~live | taken).to(scores.device)
+        hidden = (~live_mask(lengths, n) | taken).to(scores.device)
         candidates = scores.float().masked_fill(hidden, float("-inf")).flatten()  # ranked where the scores are
         best = torch.sort(candidates, descending=True, stable=True).indices[:extra].cpu()
         taken.view(-1)[best] = True
