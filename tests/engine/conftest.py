@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.tiny_llama import make_tiny_llama
+from tests.helpers.tiny_llama import ENGINE_KV_CACHE_BYTES, make_tiny_llama
 
 BLOCK_SIZE = 32
 NUM_BLOCKS = 96  # a small pool: ~3K tokens, so preemption is easy to force
@@ -95,7 +95,7 @@ def engine(tiny_model_dir) -> Engine:
         max_num_batched_tokens=512,
         distributed_executor_backend="uni",
         enable_prefix_caching=True,
-        gpu_memory_utilization=0.1,
+        kv_cache_memory_bytes=ENGINE_KV_CACHE_BYTES,
         kv_transfer_config=kv_transfer_config(),
         seed=0,
     )

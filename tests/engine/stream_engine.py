@@ -102,13 +102,14 @@ def main() -> None:
     engine_args = json.loads(sys.argv[8]) if len(sys.argv) > 8 else {}
     from vllm import LLM
 
+    from tests.helpers.tiny_llama import ENGINE_KV_CACHE_BYTES
     from vllm_kvcomp.engine.plugin import kv_transfer_config
 
     llm = LLM(model=model, dtype="float32", enforce_eager=True, block_size=32,
               num_gpu_blocks_override=int(pool_blocks), max_model_len=int(max_len), max_num_seqs=8,
               max_num_batched_tokens=int(chunk), enable_prefix_caching=False, tensor_parallel_size=tensor_parallel,
               distributed_executor_backend="uni" if tensor_parallel == 1 else "mp",
-              gpu_memory_utilization=0.1, seed=0,
+              kv_cache_memory_bytes=ENGINE_KV_CACHE_BYTES, seed=0,
               kv_transfer_config=kv_transfer_config(long_prompts=long_prompts == "1") if connector else None,
               **engine_args)
     engine = llm.llm_engine

@@ -20,8 +20,6 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 BLOCK = 32
 POOL = 800
-#: a KV budget that fits next to the 1 GB of float32 weights (vLLM CPU's default share does not)
-ENGINE = {"kv_cache_memory_bytes": 256 << 20}
 MAX_TOKENS = 12
 SPECS = {
     "full": None,
@@ -56,9 +54,9 @@ def runs(gemma_dir, prompts):
     uncompressed prompt alone on plain vLLM (alone in both: a batch's shapes move logprobs by ~1e-6)."""
     alone = [engine_request("full", prompts["full"], None, MAX_TOKENS)]
     batch = [engine_request(name, prompts[name], spec, MAX_TOKENS) for name, spec in SPECS.items() if spec]
-    ours, free = run_engine(gemma_dir, 2048, [alone, batch], pool=POOL, engine_args=ENGINE)
+    ours, free = run_engine(gemma_dir, 2048, [alone, batch], pool=POOL)
     plain, _ = run_engine(gemma_dir, 2048, [[engine_request("full", prompts["full"], None, MAX_TOKENS)]],
-                          pool=POOL, connector=False, engine_args=ENGINE)
+                          pool=POOL, connector=False)
     return {"ours": {r["name"].rsplit("-", 1)[0]: r for r in ours}, "plain": plain[0], "free": free}
 
 
