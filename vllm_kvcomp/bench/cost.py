@@ -56,11 +56,12 @@ def run(args: argparse.Namespace) -> int:
 
     from vllm_kvcomp.engine.plugin import kv_transfer_config
     from vllm_kvcomp.models import resolve_model
+    from vllm_kvcomp.server.cli import cpu_kv_cache_bytes
 
     llm = LLM(model=resolve_model(args.model), dtype="float32", enforce_eager=True, block_size=32,
               max_model_len=args.prompt_len + 64, max_num_batched_tokens=max(2048, args.prompt_len),
               distributed_executor_backend="uni", enable_prefix_caching=False,
-              kv_transfer_config=kv_transfer_config(), gpu_memory_utilization=0.5, seed=0)
+              kv_transfer_config=kv_transfer_config(), kv_cache_memory_bytes=cpu_kv_cache_bytes(), seed=0)
     engine, rng = llm.llm_engine, random.Random(0)
     prompt = lambda: [rng.randrange(10, 48000) for _ in range(args.prompt_len)]  # noqa: E731
     _one(engine, "warm-up", prompt(), None)

@@ -37,12 +37,13 @@ def _run_engine(args: argparse.Namespace, pool_blocks: int, configs: list[tuple[
     from vllm import LLM, SamplingParams
 
     from vllm_kvcomp.engine.plugin import kv_transfer_config
+    from vllm_kvcomp.server.cli import cpu_kv_cache_bytes
 
     llm = LLM(model=args.model, dtype="float32", enforce_eager=True, block_size=args.block_size,
               num_gpu_blocks_override=pool_blocks, max_model_len=args.prompt_len + args.output_len + 64,
               max_num_seqs=args.num_requests, max_num_batched_tokens=max(2048, args.prompt_len),
               distributed_executor_backend="uni", enable_prefix_caching=False,
-              kv_transfer_config=kv_transfer_config(), seed=0, gpu_memory_utilization=0.2)
+              kv_transfer_config=kv_transfer_config(), seed=0, kv_cache_memory_bytes=cpu_kv_cache_bytes())
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     rng = random.Random(0)

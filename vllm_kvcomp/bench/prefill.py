@@ -48,6 +48,7 @@ def _child(args: argparse.Namespace) -> None:
     from vllm import SamplingParams
 
     from vllm_kvcomp.engine.plugin import kv_transfer_config
+    from vllm_kvcomp.server.cli import cpu_kv_cache_bytes
 
     job = json.loads(args.child)
     from vllm import LLM
@@ -57,7 +58,7 @@ def _child(args: argparse.Namespace) -> None:
     llm = LLM(model=job["model"], dtype="float32", enforce_eager=True, block_size=32,
               num_gpu_blocks_override=job["pool"], max_model_len=job["max_len"], max_num_seqs=4,
               max_num_batched_tokens=job["chunk"], distributed_executor_backend="uni", enable_prefix_caching=False,
-              gpu_memory_utilization=0.2, seed=0, kv_transfer_config=kv_transfer_config(long_prompts=job["long"]))
+              kv_cache_memory_bytes=cpu_kv_cache_bytes(), seed=0, kv_transfer_config=kv_transfer_config(long_prompts=job["long"]))
     engine = llm.llm_engine
     manager = engine.engine_core.engine_core.scheduler.kv_cache_manager
     rng = random.Random(0)
