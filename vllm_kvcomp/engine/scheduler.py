@@ -130,7 +130,6 @@ class KVCompScheduler:
     dropped: list[str] = field(default_factory=list)
     events: list[CompressionEvent] = field(default_factory=list)
     finished: list[dict[str, Any]] = field(default_factory=list)  # results since the last stats
-    blocks_freed_total: int = 0
     preemptions: int = 0
     copy_on_compress: bool = False  # prefix caching on a model we can share it on
     cow: dict[str, CopyOnCompress] = field(default_factory=dict)
@@ -315,7 +314,6 @@ class KVCompScheduler:
                 vllm_compat.free_blocks(self.kv_cache_manager, rid, before, columns, self.group)
                 self.freed[rid] = columns
                 stats.blocks_freed += columns - before
-                self.blocks_freed_total += columns - before
         for event in report.events:
             stats = self.requests.get(event.req_id)
             if stats is not None:

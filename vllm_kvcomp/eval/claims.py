@@ -86,14 +86,6 @@ CLAIMS: tuple[Claim, ...] = (
 )
 
 
-def claim_conditions(claims: Sequence[Claim] = CLAIMS) -> list[str]:
-    """Every condition the claims name, once (for ``--policies``)."""
-    out: list[str] = []
-    for claim in claims:
-        out.extend(c for c in (claim.a, claim.b) if c not in out)
-    return out
-
-
 def claim_cells(claims: Sequence[Claim] = CLAIMS) -> set[tuple[str, str, float]]:
     """(task, condition label, ratio) of every cell a claim reads."""
     cells = set()
