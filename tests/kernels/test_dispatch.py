@@ -44,6 +44,7 @@ def test_public_api() -> None:
         "BACKENDS",
         "cuda_extension_available",
         "decode_attention",
+        "projected_l1_norms",
         "resolve_backend",
     }
 

@@ -17,6 +17,7 @@ from vllm_kvcomp.policies.criticalkv import (
     CriticalKV,
     ExpectedAttentionNoNorm,
     projected_value_norms,
+    projection_dtype,
 )
 from vllm_kvcomp.policies.expected_attention import ExpectedAttention
 from vllm_kvcomp.policies.snapkv import SnapKV
@@ -95,12 +96,40 @@ def test_score_is_the_written_formula(budget, first_stage_ratio, epsilon):
         torch.testing.assert_close(scores[h, live][finite].double(), expected[h, live][finite], rtol=1e-5, atol=0)
 
 
-def test_projected_norms_are_the_plain_sum_in_blocks_of_any_size(monkeypatch):
+def test_projected_norms_are_the_plain_sum():
     kv = _layer(3)
     expected = torch.tensor(_plain_norms(kv), dtype=torch.float64)
     torch.testing.assert_close(projected_value_norms(kv), expected, rtol=1e-12, atol=0)
-    monkeypatch.setattr(criticalkv, "PROJECTED_BLOCK", 1)  # one token per block
-    torch.testing.assert_close(projected_value_norms(kv), expected, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize(("values", "weight", "device", "expected"), [
+    (torch.float64, torch.float64, "cpu", torch.float64),
+    (torch.float32, torch.float32, "cpu", torch.float32),
+    (torch.bfloat16, torch.bfloat16, "cpu", torch.float32),  # the host multiplies in float32
+    (torch.float16, torch.float16, "cpu", torch.float32),
+])
+def test_projection_dtype_on_the_host(values, weight, device, expected):
+    assert projection_dtype(torch.zeros(1, dtype=values), torch.zeros(1, dtype=weight, device=device)) == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_projected_norms_on_a_gpu_multiply_in_the_models_dtype(dtype):
+    """On a GPU the product runs in the weight's half dtype (the model's, as kvpress's
+    ``vwl1norm``): within that dtype's rounding of the float64 norms, in float32."""
+    gen = torch.Generator().manual_seed(7)
+    hk, group, n, d, hidden = 2, 4, 300, 64, 512
+    values = torch.randn(hk, n, d, generator=gen, dtype=torch.float64)
+    weight = torch.randn(hk * group, d, hidden, generator=gen, dtype=torch.float64) * d**-0.5
+    exact = projected_value_norms(LayerKV(values, values, out_proj=weight))
+    kv = LayerKV(values.to("cuda", dtype), values.to("cuda", dtype), out_proj=weight.to("cuda", dtype))
+    assert projection_dtype(kv.values, kv.out_proj) == dtype
+    got = projected_value_norms(kv)
+    assert got.dtype == torch.float32 and got.device.type == "cuda"
+    torch.testing.assert_close(got.cpu().double(), exact, rtol=2e-2, atol=0)
+    as_float32 = projected_value_norms(kv, torch.float32)
+    assert as_float32.dtype == torch.float32
+    torch.testing.assert_close(as_float32.cpu().double(), exact, rtol=2e-2, atol=0)  # the half inputs' rounding
 
 
 def test_out_proj_heads_is_each_query_heads_slice_of_the_weight_transposed():

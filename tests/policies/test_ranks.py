@@ -86,3 +86,21 @@ def test_two_ranks_keep_what_one_rank_keeps(case, fake_request):
                     for kv, sel in zip(layers, whole)]
         assert _split_select(split, layers, states) == expected, f"{label}: ranks disagree at step {step}"
         request.apply(whole)
+
+
+def test_sum_tensor_adds_every_ranks_tensor_and_one_rank_returns_its_own():
+    mine = torch.arange(3.0)
+    assert Ranks().sum_tensor(mine) is mine  # one rank: no copy, no trip to the host
+    shared = {"slots": [None, None], "barrier": threading.Barrier(2)}
+    results: dict[int, torch.Tensor] = {}
+
+    def run(rank: int) -> None:
+        results[rank] = ThreadRanks(rank, shared).sum_tensor(torch.full((3,), float(rank + 1)))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for rank in (0, 1):
+        torch.testing.assert_close(results[rank], torch.full((3,), 3.0))

@@ -1,8 +1,9 @@
-"""The one dispatch point of vllm-kvcomp's kernel: paged decode attention on CUDA, Triton or torch.
+"""The one dispatch point of vllm-kvcomp's kernels: paged decode attention on CUDA, Triton or
+torch, and CriticalKV's projected-value norms on Triton or torch.
 
 Dispatch rule (``backend=None``):
 
-1. tensors on CUDA -> **triton** (``vllm_kvcomp.kernels.triton_jit``);
+1. tensors on CUDA -> **triton** (``vllm_kvcomp.kernels.triton_jit``; float64 norms: torch);
 2. else (CPU tensors) -> **torch**, the plain reference of :mod:`vllm_kvcomp.kernels.reference`.
 
 ``backend="cuda" | "triton" | "torch"`` forces one; ``cuda`` is the optional ``vllm_kvcomp._C``
@@ -26,11 +27,16 @@ import functools
 import torch
 from torch import Tensor
 
-from vllm_kvcomp.kernels.reference import Compensation, decode_reference, head_starts
+from vllm_kvcomp.kernels.reference import (
+    Compensation,
+    decode_reference,
+    head_starts,
+    projected_l1_norms_reference,
+)
 from vllm_kvcomp.kernels.triton_jit.utils import interpreting
 
 BACKENDS: tuple[str, ...] = ("cuda", "triton", "torch")
-OPS: tuple[str, ...] = ("decode_attention",)
+OPS: tuple[str, ...] = ("decode_attention", "projected_l1_norms")
 CUDA_HEAD_DIMS = (64, 128, 256)
 CUDA_MAX_GROUP = 16
 
@@ -122,6 +128,27 @@ def decode_attention(
     return _cuda_decode(q, kv_cache, bt, sl, start_bh, (k_hat, v_hat, counts), scale, num_splits)
 
 
+def projected_l1_norms(values: Tensor, weight: Tensor, dtype: torch.dtype | None = None,
+                       backend: str | None = None) -> Tensor:
+    """[H_kv, N] ``mean_{q ∈ G(h)} ||v_i W_o^q||₁`` (CriticalKV's second-stage factor) of values
+    [H_kv, N, D] and weight [H_q, D, hidden] (query head q's rows of the output projection, any
+    strides), on the weight's device. The product runs in ``dtype`` (default: the weight's), the
+    norms are summed in float32 (float64 for float64). Triton fuses product, |·| and sum (the
+    torch path materialises [G, rows, hidden] blocks); it has no float64 (torch then)."""
+    dtype = dtype or weight.dtype
+    values, weight = values.to(weight.device, dtype), weight.to(dtype)
+    if backend is None and dtype == torch.float64:
+        backend = "torch"
+    which = resolve_backend("projected_l1_norms", weight.device, backend, cuda_ok=False)
+    if which == "torch":
+        return projected_l1_norms_reference(values, weight)
+    if dtype == torch.float64:
+        raise RuntimeError("projected_l1_norms: Triton has no float64 product; use backend='torch'")
+    from vllm_kvcomp.kernels.triton_jit.projected import projected_l1_norms as triton_norms
+
+    return triton_norms(values, weight)
+
+
 def _cuda_decode(
     q: Tensor,
     kv_cache: Tensor,
@@ -180,4 +207,4 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-__all__ = ["BACKENDS", "cuda_extension_available", "decode_attention", "resolve_backend"]
+__all__ = ["BACKENDS", "cuda_extension_available", "decode_attention", "projected_l1_norms", "resolve_backend"]

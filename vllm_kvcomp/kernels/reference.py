@@ -121,3 +121,27 @@ def decode_reference(
         out, lse = with_sinks(out, lse, per_row.reshape(batch * hk, group).transpose(0, 1))
     out = out.transpose(0, 1).reshape(batch, hq, d).to(q.dtype)
     return out, lse.transpose(0, 1).reshape(batch, hq)
+
+
+#: elements of one [G, rows, hidden] product block of :func:`projected_l1_norms_reference` (bounds its memory)
+PROJECTED_BLOCK = 1 << 22
+
+
+def projected_l1_norms_reference(values: torch.Tensor, weight: torch.Tensor,
+                                 block: int = PROJECTED_BLOCK) -> torch.Tensor:
+    """[H_kv, N] ``mean_{q ∈ G(h)} ||v_i W_o^q||₁`` of values [H_kv, N, D] and weight
+    [H_q, D, hidden] of one dtype: the product in it, block by block (``block`` elements of
+    [G, rows, hidden] at a time), the norms summed in float32 (float64 for float64)."""
+    hk, n, _ = values.shape
+    hq, _, hidden = weight.shape
+    group = hq // hk
+    acc = torch.float64 if values.dtype == torch.float64 else torch.float32
+    rows = max(1, block // (group * hidden))
+    out = torch.empty(hk, n, dtype=acc, device=values.device)
+    for h in range(hk):
+        heads = weight[h * group:(h + 1) * group]  # [G, D, hidden]
+        for start in range(0, n, rows):
+            projected = torch.einsum("nd,gdo->gno", values[h, start:start + rows], heads)
+            out[h, start:start + rows] = projected.abs().sum(dim=-1, dtype=acc).mean(dim=0)
+    return out
+

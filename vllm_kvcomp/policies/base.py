@@ -187,6 +187,13 @@ class Ranks:
         """``op`` (sum, max, min) over every rank's ``value``."""
         return op(self.gather(value))
 
+    def sum_tensor(self, value: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``value`` (same shape) summed, on ``value``'s device; one rank: ``value``
+        itself (no copy, no trip to the host)."""
+        if self.size == 1:
+            return value
+        return sum(self.gather(value.cpu())).to(value.device)
+
     def cat_heads(self, per_head: torch.Tensor) -> torch.Tensor:
         """Every rank's [H_local, ...] rows concatenated: [H_total, ...] (same trailing shape)."""
         return torch.cat(self.gather(per_head))

@@ -42,6 +42,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from vllm_kvcomp.kernels import projected_l1_norms
 from vllm_kvcomp.params import Param, SpecError
 from vllm_kvcomp.policies.base import (
     LayerKV,
@@ -54,12 +55,6 @@ from vllm_kvcomp.policies.base import (
 from vllm_kvcomp.policies.expected_attention import ExpectedAttention, expected_attention_scores
 from vllm_kvcomp.policies.snapkv import SnapKV
 from vllm_kvcomp.policies.wrappers import ADAPTIVE_FLOOR, HEADS_PARAMS, adaptive_topk
-
-#: elements of one [G, rows, hidden] block of projected values (bounds the memory of the norms):
-#: on the host, and on a GPU (larger blocks, fewer launches: 32 layers x 8 heads x 32 blocks of an
-#: 8K prompt took 1.3 s on an H100 with the host's size)
-PROJECTED_BLOCK = 1 << 22
-PROJECTED_BLOCK_GPU = 1 << 25
 
 
 @dataclass
@@ -86,30 +81,31 @@ INNER_SCORERS: dict[str, tuple[type[ScorePolicy], tuple[str, ...]]] = {
 }
 
 
-def projected_value_norms(kv: LayerKV) -> torch.Tensor:
+def projection_dtype(values: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype ``v W_o`` is multiplied in: float64 for float64 values (tests); on a GPU the
+    weight's own (the model's dtype, as its ``o_proj`` and kvpress's ``vwl1norm`` multiply: bf16 on
+    tensor cores; float32 took 1.6 s of GPU time per 32K prompt on an H100); float32 on the host."""
+    if values.dtype == torch.float64:
+        return torch.float64
+    if weight.device.type == "cuda" and weight.dtype in (torch.float16, torch.bfloat16):
+        return weight.dtype
+    return torch.float32
+
+
+def projected_value_norms(kv: LayerKV, dtype: torch.dtype | None = None) -> torch.Tensor:
     """[H_kv, N] ``mean_{q ∈ G(h)} ||v_i W_o^q||₁`` of ``kv.values`` [H_kv, N, D] with
-    ``kv.out_proj`` [H_q, D, hidden]; computed and returned on the weight's device in float32
-    (float64 for float64 values)."""
+    ``kv.out_proj`` [H_q, D, hidden], on the weight's device: multiplied in ``dtype`` (default
+    :func:`projection_dtype`), the L1 norms summed in float32 (float64 for float64); one fused
+    Triton launch per layer on a GPU (:func:`vllm_kvcomp.kernels.projected_l1_norms`)."""
     weight = kv.out_proj
     if weight is None:
         raise ValueError("criticalkv needs the layer's output projection (LayerKV.out_proj), none was given")
-    hq, d, hidden = weight.shape
-    hk, n = kv.num_kv_heads, kv.num_slots
+    hq, d, _ = weight.shape
+    hk = kv.num_kv_heads
     if d != kv.values.shape[-1] or hq % hk:
         raise ValueError(f"output projection {tuple(weight.shape)} does not fit {hk} KV heads of dimension "
                          f"{kv.values.shape[-1]}")
-    acc = torch.float64 if kv.values.dtype == torch.float64 else torch.float32
-    values = kv.values.to(weight.device, acc)
-    group = hq // hk
-    block = PROJECTED_BLOCK_GPU if weight.device.type == "cuda" else PROJECTED_BLOCK
-    rows = max(1, block // (group * hidden))
-    out = torch.empty(hk, n, dtype=acc, device=weight.device)
-    for h in range(hk):
-        heads = weight[h * group:(h + 1) * group].to(acc)  # [G, D, hidden]
-        for start in range(0, n, rows):
-            projected = torch.einsum("nd,gdo->gno", values[h, start:start + rows], heads)
-            out[h, start:start + rows] = projected.abs().sum(dim=-1).mean(dim=0)
-    return out
+    return projected_l1_norms(kv.values, weight, dtype or projection_dtype(kv.values, weight))
 
 
 def critical_scores(inner: torch.Tensor, norms: torch.Tensor, first: list[torch.Tensor],

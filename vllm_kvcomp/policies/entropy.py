@@ -163,7 +163,7 @@ class EntropyBudget(Policy):
 
     def _select_shared(self, kv: LayerKV, probs: torch.Tensor, budget: int, state: RequestState) -> Selection:
         """Shared ranking (attention summed over heads and queries) -> sink + top + recent."""
-        shared = sum(state.ranks.gather(probs.float().sum(dim=(0, 1)).cpu()))  # [N], every rank's heads
+        shared = state.ranks.sum_tensor(probs.float().sum(dim=(0, 1)))  # [N], every rank's heads, where the cache is
         sink, _, recent = split_layer_budget(budget)
         lengths = kv.valid_lengths()
         priority = Ranking(shared.expand(kv.num_kv_heads, -1))

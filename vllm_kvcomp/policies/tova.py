@@ -44,7 +44,7 @@ def by_position(per_slot: torch.Tensor, positions: torch.Tensor, width: int) -> 
     """[width] sum over heads of ``per_slot`` [H, N] at each logical position (``positions``
     [H, N], -1 = invalid, all < width)."""
     live = positions >= 0
-    out = torch.zeros(width, dtype=per_slot.dtype)
+    out = torch.zeros(width, dtype=per_slot.dtype, device=per_slot.device)
     return out.index_add_(0, positions[live], per_slot[live])
 
 
@@ -81,14 +81,15 @@ class TOVA(ScorePolicy):
         """[H_kv, N] attention of the newest query, averaged over the layer's or the group's heads."""
         newest = None if kv.queries is None else kv.queries[:, -1:]
         last = replace(kv, queries=newest, query_positions=kv.window_query_positions()[-1:])
-        probs = window_attention(last)[:, 0].double().cpu()  # [H_q, N]
+        probs = window_attention(last)[:, 0].double()  # [H_q, N], where the cache is
         if self.average == "group":
             return reduce_gqa(probs, kv.num_kv_heads)
         positions = kv.slot_positions()
+        width = int(state.ranks.reduce(int(positions.max()) + 1, max))
+        positions = positions.to(probs.device)
         group = probs.shape[0] // kv.num_kv_heads
         per_head = probs.reshape(kv.num_kv_heads, group, -1).sum(dim=1)  # [H_kv, N]
-        width = int(state.ranks.reduce(int(positions.max()) + 1, max))
-        total = sum(state.ranks.gather(by_position(per_head, positions, width)))  # [width]
+        total = state.ranks.sum_tensor(by_position(per_head, positions, width))  # [width]
         heads = state.ranks.reduce(probs.shape[0], sum)
         mean = total / heads
         return torch.where(positions >= 0, mean[positions.clamp(min=0)], 0.0)
