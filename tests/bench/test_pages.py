@@ -80,3 +80,30 @@ def test_membound_serves_with_the_step_size_asked_for(monkeypatch, tmp_path):
     assert seen["chunk"] == 512 and seen["max_seqs"] == 16
     assert out == {"full": [14.0, 15.0], "lagkv prefill=stream": 130.0}  # full first and last, new seeds
     assert parser.parse_args([]).membound_chunk == 2048  # the server's default step, as before
+
+
+def _samples(rows):
+    """(time, gauges) from (seconds, running, waiting, KV use) rows."""
+    return [(t, {pages.RUNNING: r, pages.WAITING: w, pages.USAGE: u}) for t, r, w, u in rows]
+
+
+def test_the_pool_bounds_admission_only_after_a_settled_full_window():
+    rising = [(t, 10 + t, 40, 0.5 + t / 100) for t in range(0, 40, 2)]  # still admitting
+    assert not pages.pool_bound(_samples(rising), settle=10)
+    full = rising + [(t, 49, 30, 0.92) for t in range(40, 60, 2)]  # no new peak for 20 s, requests wait
+    assert pages.pool_bound(_samples(full), settle=10)
+    assert not pages.pool_bound(_samples(full), settle=30)  # the window reaches back into the rise
+    idle = rising + [(t, 49, 0, 0.92) for t in range(40, 60, 2)]  # nobody waits: not bound by the pool
+    assert not pages.pool_bound(_samples(idle), settle=10)
+    low = rising + [(t, 49, 30, 0.6) for t in range(40, 60, 2)]  # requests wait, KV half used: the prefill rate
+    assert not pages.pool_bound(_samples(low), settle=10)
+    assert not pages.pool_bound([], settle=10)
+
+
+def test_admission_rows_mark_a_peak_the_window_cut_short_as_a_lower_bound():
+    full = pages.Admitted(16, 1.0, "pool")
+    assert pages._row("lagkv", "0.25", None, None, pages.Admitted(57, 0.93, "pool"), full).endswith(
+        "| 57 | 3.56x | 93% | pool |")
+    assert pages._row("tova", "0.25", None, None, pages.Admitted(27, 0.55, "time"), full).endswith(
+        "| >= 27 | >= 1.69x | 55% | time |")
+    assert pages._row("razor", "0.25", None, None, None, full).endswith("| - | - | - | - |")
