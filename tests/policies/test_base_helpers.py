@@ -30,6 +30,26 @@ def test_slot_memory_follows_positions():
     assert looked.tolist() == [[-7.0, 3.0, 5.0, -7.0], [6.0, 8.0, 10.0, -7.0]]
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_slot_memory_of_all_heads_at_once_matches_one_head_at_a_time(seed):
+    """Ragged and empty heads, unsorted kept indices, positions not in slot order (after a compaction)."""
+    gen = torch.Generator().manual_seed(seed)
+    heads, n = 5, 40
+    values = torch.randn(heads, n, generator=gen, dtype=torch.float64)
+    positions = torch.stack([torch.randperm(200, generator=gen)[:n] for _ in range(heads)])
+    indices = [torch.randperm(n, generator=gen)[:k] for k in torch.randint(0, n, (heads,), generator=gen).tolist()]
+    indices[seed % heads] = torch.tensor([], dtype=torch.long)
+    memory = SlotMemory.kept(values, positions, indices)
+    width = max(len(i) for i in indices)
+    assert memory.positions.shape == memory.values.shape == (heads, width)
+    for h, idx in enumerate(indices):
+        order = torch.argsort(positions[h, idx])
+        pad = width - len(idx)
+        assert memory.positions[h, :pad].eq(-1).all() and memory.values[h, :pad].eq(0).all()
+        assert torch.equal(memory.positions[h, pad:], positions[h, idx][order])
+        assert torch.equal(memory.values[h, pad:], values[h, idx][order])
+
+
 def test_empty_slot_memory():
     memory = SlotMemory.kept(torch.zeros(1, 3), torch.arange(3).view(1, 3), [torch.tensor([], dtype=torch.long)])
     assert memory.lookup(torch.arange(3).view(1, 3)).tolist() == [[0.0, 0.0, 0.0]]

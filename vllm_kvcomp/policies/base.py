@@ -748,19 +748,25 @@ class SlotMemory:
     def kept(
         cls, values: torch.Tensor, positions: torch.Tensor, indices: Sequence[torch.Tensor]
     ) -> SlotMemory:
-        """Remember ``values`` [H, N] at the kept slots; ``positions`` [H, N] of the same layer."""
-        width = max((len(i) for i in indices), default=0)
+        """Remember ``values`` [H, N] at the kept slots; ``positions`` [H, N] of the same layer.
+
+        Every head at once: one gather and one sort by (head, position) for the layer."""
+        counts = torch.tensor([len(i) for i in indices], dtype=torch.long)
+        heads, width = len(indices), int(counts.max()) if len(indices) else 0
+        pos = torch.full((heads, width), -1, dtype=torch.long)
+        val = torch.zeros((heads, width), dtype=values.dtype)
+        if not width:
+            return cls(pos, val)
+        head = torch.repeat_interleave(torch.arange(heads), counts)
+        slot = torch.cat([i.to(torch.long).cpu() for i in indices])
         positions, values = positions.cpu(), values.cpu()
-        pos = torch.full((len(indices), width), -1, dtype=torch.long)
-        val = torch.zeros((len(indices), width), dtype=values.dtype)
-        for h, idx in enumerate(indices):
-            idx = idx.to(torch.long).cpu()
-            if not len(idx):
-                continue
-            head_pos = positions[h][idx]
-            order = torch.argsort(head_pos)
-            pos[h, width - len(idx):] = head_pos[order]
-            val[h, width - len(idx):] = values[h][idx][order]
+        kept_pos = positions[head, slot]
+        order = torch.argsort(head * (int(positions.max()) + 2) + kept_pos)  # by head, then position
+        head, kept_pos, kept_val = head[order], kept_pos[order], values[head[order], slot[order]]
+        start = torch.cumsum(counts, 0) - counts  # each head's first entry in the sorted list
+        column = width - counts[head] + torch.arange(len(head)) - start[head]  # right-aligned
+        pos[head, column] = kept_pos
+        val[head, column] = kept_val
         return cls(pos, val)
 
     def lookup(self, positions: torch.Tensor, fill: float = 0) -> torch.Tensor:
