@@ -192,3 +192,26 @@ def test_round_to_pages_matches_one_head_at_a_time(seed, with_priority):
     assert [idx.tolist() for idx in got.indices] == want
     assert got.priority is pick.priority
     assert all(got.indices[h] is picks[h] for h in range(4) if len(want[h]) == len(picks[h]))  # untouched heads
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("quantum", [(32, 0), (16, 5), (7, 3)])
+def test_snapped_budgets_sit_on_the_page_grid_with_the_same_sum_each_within_a_page(seed, quantum):
+    gen = torch.Generator().manual_seed(seed)
+    block_size, residue = quantum
+    length = 2000
+    budgets = torch.randint(40, 900, (30,), generator=gen).tolist()
+    snapped = base.snap_to_pages(budgets, quantum, length)
+    assert all(b % block_size == residue % block_size for b in snapped)
+    assert all(abs(s - b) < block_size for s, b in zip(snapped, budgets))
+    assert 0 <= sum(snapped) - sum(budgets) < block_size
+    # what the engine then holds: each layer's budget rounded up to the grid = the budget itself
+    assert [page_count(b, length, quantum) for b in snapped] == snapped
+
+
+def test_snapping_leaves_whole_layers_and_empty_floors_and_no_grid_alone():
+    assert base.snap_to_pages([100, 70], None, 1000) == [100, 70]
+    assert base.snap_to_pages([1000, 70], (32, 0), 1000) == [1000, 96]  # 1000 = everything: stays
+    assert base.snap_to_pages([20, 70], (32, 0), 1000) == [20, 96]  # 20 floors to 0: stays; 70 -> 64 + the missing page
+    assert base.snap_to_pages([48, 48], (32, 0), 1000) == [64, 32]  # the lower layer gets the page on a tie
+    assert base.snap_to_pages([50, 46], (32, 0), 1000) == [64, 32]  # the larger remainder first

@@ -258,6 +258,33 @@ def page_count(kept: int, length: int, quantum: tuple[int, int] | None) -> int:
     return min(length, kept + (residue - kept) % block_size)
 
 
+def snap_to_pages(budgets: Sequence[int], quantum: tuple[int, int] | None, length: int) -> list[int]:
+    """Per-layer budgets moved onto the page grid ``quantum`` (block_size, residue), their sum
+    kept: each floors to the grid, then the layers with the largest remainders (ties to the lower
+    layer) get their page back until the sum reaches the original (it then exceeds it by less than
+    one page). Every budget stays within one page of its own; those >= ``length`` (everything
+    kept) or whose floor would be empty stay as they are. Without a grid: unchanged.
+
+    The engine rounds each head's kept count up to the grid anyway (:func:`round_to_pages`), so
+    budgets off the grid would hold up to a page more per layer than their mean asks."""
+    if quantum is None:
+        return [int(b) for b in budgets]
+    block_size, residue = quantum
+    out, spare = [], []
+    for b in (int(b) for b in budgets):
+        floor = b - (b - residue) % block_size
+        fixed = b >= length or floor < 1
+        out.append(b if fixed else floor)
+        spare.append(0 if fixed else b - floor)
+    missing = sum(int(b) for b in budgets) - sum(out)
+    for layer in sorted(range(len(out)), key=lambda i: (-spare[i], i)):
+        if missing <= 0 or spare[layer] == 0:
+            break
+        out[layer] += block_size
+        missing -= block_size
+    return out
+
+
 def round_to_pages(pick: Selection, kv: LayerKV, quantum: tuple[int, int] | None) -> Selection:
     """``pick`` of layer ``kv`` with each head's slots rounded up to the page grid ``quantum`` by
     its next-best live slots (``pick.priority``; the most recent where None). Free quality: the

@@ -4,7 +4,9 @@
    queries), averaged over heads and queries: the layer's importance.
 2. Layer budgets proportional to that entropy, clipped to ``[min_ratio·T, max_ratio·T]`` with the
    proportionality constant solved so that the budgets still average to ``T = target_budget(N)``
-   (the per-head budget a uniform policy would use), then rounded by largest remainder.
+   (the per-head budget a uniform policy would use), then rounded by largest remainder; in the
+   engine moved onto its page grid with the same sum (each within one page:
+   :func:`~vllm_kvcomp.policies.base.snap_to_pages`), as every head holds whole pages.
 3. One shared token set per layer: slots ranked by attention summed over all heads and window
    queries; a layer budget B_l keeps 1 sink token, ``B_l // 2`` top-ranked tokens and the rest
    as recent window (half top-k / half recent + one sink).
@@ -40,6 +42,7 @@ from vllm_kvcomp.policies.base import (
     keep_pinned,
     protected_topk,
     slot_mask,
+    snap_to_pages,
     visible_softmax,
     window_logits,
 )
@@ -158,6 +161,7 @@ class EntropyBudget(Policy):
         longest = max((int(kv.valid_lengths().max()) for kv in layers), default=0)
         target = self.target_budget(longest)
         budgets = entropy_budgets([e for _, e in stats], target, self.min_ratio, self.max_ratio)
+        budgets = snap_to_pages(budgets, state.page_quantum, longest)  # whole pages, the same sum
         state.budget = max(budgets, default=target)
         return [self._select_shared(kv, p, b, state) for kv, p, b in zip(layers, probs, budgets)]
 
