@@ -172,17 +172,13 @@ def _check_on_page_grid(layers, selections, state: RequestState) -> None:
                 f"layer {kv.layer} head {h}: {len(idx)} kept of {live}, not ≡ {residue} (mod {block_size})")
 
 
-#: policies whose per-layer budgets move onto the page grid (sum kept) before the rounding
-LAYER_BUDGETS = {"pyramidkv", "entropy"}
-
-
 @pytest.mark.parametrize(("n", "group"), [(37, 1), (61, 3), (96, 3)])
 @pytest.mark.parametrize("case", CASES)
 def test_page_rounding_keeps_a_superset_on_the_page_grid(case, n, group, fake_request,
                                                          check_indices):
     """With the engine's page quantum every head keeps ≡ residue (mod bs) slots (or all), a
     superset of what it keeps without rounding, through decode recompressions too. Per-layer
-    budgets (pyramidkv, entropy) move onto the grid first with their sum kept (``snap_to_pages``):
+    budgets (``LAYER_BUDGETS_ON_PAGES``) move onto the grid first with their sum kept:
     a layer may then keep less than without the grid, so for them each head's total over the
     layers is what is checked, at least the plain total and less than one page above it."""
     block_size = 8
@@ -193,7 +189,7 @@ def test_page_rounding_keeps_a_superset_on_the_page_grid(case, n, group, fake_re
     layers = request.inputs(policy)
     selections = policy.decide(layers, state)
     _check_on_page_grid(layers, selections, state)
-    if policy.name in LAYER_BUDGETS:
+    if policy.LAYER_BUDGETS_ON_PAGES:
         for h in range(len(plain[0].indices)):
             extra = sum(len(s.indices[h]) - len(b.indices[h]) for s, b in zip(selections, plain))
             assert 0 <= extra < block_size, f"head {h}: {extra} more slots over the layers than without the grid"
