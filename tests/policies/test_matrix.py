@@ -177,10 +177,10 @@ def _check_on_page_grid(layers, selections, state: RequestState) -> None:
 def test_page_rounding_keeps_a_superset_on_the_page_grid(case, n, group, fake_request,
                                                          check_indices):
     """With the engine's page quantum every head keeps ≡ residue (mod bs) slots (or all), a
-    superset of what it keeps without rounding, through decode recompressions too. Per-layer
-    budgets (``LAYER_BUDGETS_ON_PAGES``) move onto the grid first with their sum kept:
-    a layer may then keep less than without the grid, so for them each head's total over the
-    layers is what is checked, at least the plain total and less than one page above it."""
+    superset of what it keeps without rounding, through decode recompressions too. Per-layer or
+    per-head budgets (``BUDGETS_ON_PAGES``) move onto the grid first with their sum kept: one may
+    then keep less than without the grid, so for them the total over every layer and head is what
+    is checked, at least the plain total and less than one page per head above it."""
     block_size = 8
     policy = make_case(case)
     plain = make_case(case).decide(fake_request(n, 2, group, seed=n).inputs(policy), RequestState(prompt_len=n))
@@ -189,10 +189,10 @@ def test_page_rounding_keeps_a_superset_on_the_page_grid(case, n, group, fake_re
     layers = request.inputs(policy)
     selections = policy.decide(layers, state)
     _check_on_page_grid(layers, selections, state)
-    if policy.LAYER_BUDGETS_ON_PAGES:
-        for h in range(len(plain[0].indices)):
-            extra = sum(len(s.indices[h]) - len(b.indices[h]) for s, b in zip(selections, plain))
-            assert 0 <= extra < block_size, f"head {h}: {extra} more slots over the layers than without the grid"
+    if policy.BUDGETS_ON_PAGES:
+        heads = len(plain[0].indices)
+        extra = sum(len(s.indices[h]) - len(b.indices[h]) for s, b in zip(selections, plain) for h in range(heads))
+        assert 0 <= extra < block_size * heads, f"{extra} more slots over {heads} heads than without the grid"
     else:
         for sel, base in zip(selections, plain):
             for idx, base_idx in zip(sel.indices, base.indices):

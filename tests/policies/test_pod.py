@@ -147,6 +147,11 @@ def test_gate_is_decided_per_kv_head_from_its_query_group():
     sel = POD(ratio=0.5, sink=4, window=8, tau=0.9).decide(layers, state)[0]
     assert sel.counts().tolist() == [12, 32 + (32 - 12)]  # head 0's unused budget goes to head 1
     assert 30 in sel.indices[1].tolist() and state.budget == 52
+    # on the engine's page grid (8-token pages) the skipping head holds its proximal tokens' pages
+    # (12 -> 16) and the other the rest of the budget on the grid: 2 x 32 held, not 16 + 56
+    on_pages = RequestState(page_quantum=(8, 64 % 8))
+    sel = POD(ratio=0.5, sink=4, window=8, tau=0.9).decide(layers, on_pages)[0]
+    assert sel.counts().tolist() == [16, 48] and on_pages.budget == 48
 
 
 def test_unused_budget_goes_to_the_heads_that_keep_distant_tokens():
@@ -157,6 +162,12 @@ def test_unused_budget_goes_to_the_heads_that_keep_distant_tokens():
     assert share_budget([True] * 2, 20, 12) == [12, 12]  # nobody to give it to
     for skips in ([True, False], [True, True, False, False, True]):
         assert sum(share_budget(skips, 37, 5)) == 37 * len(skips)
+    # on a page grid (16-token pages, residue 5): skipping heads hold 144 -> 149, the others share
+    # 5 x 300 - 2 x 149 = 1202, snapped to the grid with the sum kept (389 + 16 for each here)
+    skips = [False, True, False, False, True]
+    on_pages = share_budget(skips, 300, 144, (16, 5), 2005)
+    assert on_pages == [405, 149, 405, 405, 149]
+    assert all(k % 16 == 5 for k in on_pages) and 0 <= sum(on_pages) - 300 * 5 < 16
 
 
 def test_select_layer_and_sharded_groups_use_the_lowest_present_layer():

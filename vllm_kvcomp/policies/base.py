@@ -501,10 +501,10 @@ class Policy:
     #: True if the policy reads each layer's output projection (``LayerKV.out_proj``); the engine
     #: and the oracle fill it only then, and serve the policy uncompressed on a model without one.
     NEEDS_OUT_PROJ: ClassVar[bool] = False
-    #: True if the policy gives each layer its own budget and moves those onto the page grid with
-    #: their sum kept (:func:`snap_to_pages`): a layer may then keep fewer slots than it would
-    #: without the grid, the layers together at most one page more.
-    LAYER_BUDGETS_ON_PAGES: ClassVar[bool] = False
+    #: True if the policy gives layers (or heads) budgets of their own and moves those onto the
+    #: page grid with their sum kept (:func:`snap_to_pages`): one may then keep fewer slots than
+    #: without the grid, all together less than one page more per head.
+    BUDGETS_ON_PAGES: ClassVar[bool] = False
 
     prefill: str = field(default="end", kw_only=True)
     scope: str = field(default="all", kw_only=True)

@@ -126,7 +126,7 @@ class EntropyBudget(Policy):
     """Entropy-scaled per-layer budgets with one shared token set per layer."""
 
     name: ClassVar[str] = "entropy"
-    LAYER_BUDGETS_ON_PAGES: ClassVar[bool] = True
+    BUDGETS_ON_PAGES: ClassVar[bool] = True
     KEEPS: ClassVar[str] = "layer budgets ∝ attention entropy; one shared top-k set per layer + recent"
     PAPER: ClassVar[str] = "paper 002"
     TEST_PARAMS: ClassVar[Mapping[str, Any]] = {"ratio": 0.5, "window": 8, "interval": 4}

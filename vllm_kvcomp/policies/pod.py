@@ -21,9 +21,9 @@ the gate g of eq. 4, and skip the distant part when g ≥ τ (§2.3). This modul
     here the decision is taken once, after prefill, so ``tau`` defaults higher than its 0.7).
 
 ``ratio`` is the mean kept fraction over every (layer, KV head): what the heads that skip do not
-use of the per-head budget B goes to the others, in equal shares (:func:`share_budget`), so the
-request holds B per head on average (issue #28; every rank of a tensor-parallel engine sees every
-head's gate). Without a profile (``groups is None``) every layer is its own group (own scores).
+use of the per-head budget B goes to the others, in equal shares moved onto the engine's page grid
+with their sum kept (:func:`share_budget`), so the request holds B per head on average, within one
+page in all (issue #28; every rank of a tensor-parallel engine sees every head's gate). Without a profile (``groups is None``) every layer is its own group (own scores).
 """
 
 from __future__ import annotations
@@ -41,8 +41,10 @@ from vllm_kvcomp.policies.base import (
     Ranking,
     RequestState,
     Selection,
+    page_count,
     protected_topk,
     reduce_gqa,
+    snap_to_pages,
     window_logits,
 )
 from vllm_kvcomp.policies.compensation import attention_with_lse
@@ -115,6 +117,7 @@ class POD(Policy):
     PROFILE: ClassVar[str | None] = "pod"
     #: the gated heads' unused budget is shared out once; a second pass would share it again
     CAN_RECOMPRESS: ClassVar[bool] = False
+    BUDGETS_ON_PAGES: ClassVar[bool] = True
     PARAMS: ClassVar[dict[str, Param]] = {
         "tau": Param("tau", float, 0.9, 0.0, 1.0, help="gate threshold: drop distant tokens when g >= tau"),
         "observe": Param("observe", int, 16, 1, 4096, help="trailing prompt queries that score and gate"),
@@ -192,8 +195,10 @@ class POD(Policy):
         gathered = state.ranks.gather(local)
         offset = sum(g.shape[1] for g in gathered[: state.ranks.rank])
         every = torch.cat(gathered, dim=1)  # [L, H_total]
-        shares = torch.tensor(share_budget(every.flatten().tolist(), state.budget, proximal)).view(every.shape)
         lengths = torch.stack([kv.valid_lengths() for kv in layers])
+        shares = share_budget(every.flatten().tolist(), state.budget, proximal, state.page_quantum,
+                              int(lengths.max()))
+        shares = torch.tensor(shares).view(every.shape)
         state.budget = int(shares.max())
         return torch.minimum(shares[:, offset : offset + local.shape[1]], lengths).tolist()
 
@@ -229,21 +234,23 @@ class POD(Policy):
         return proximal, live & ~proximal
 
 
-def share_budget(skips: Sequence[bool], budget: int, proximal: int) -> list[int]:
+def share_budget(skips: Sequence[bool], budget: int, proximal: int,
+                 quantum: tuple[int, int] | None = None, length: int = 0) -> list[int]:
     """Kept count per head (flattened (layer, head) order) so that the mean is ``budget``: a
-    skipping head keeps ``proximal``; the others share the rest equally, the first ones in order
-    one more where it does not divide (all skip: every head keeps ``proximal``)."""
+    skipping head keeps ``proximal`` (rounded up to the page grid ``quantum`` of a ``length``-token
+    prompt, what it holds there); the others share the rest equally, the first ones in order one
+    more where it does not divide, then move onto the grid with their sum kept
+    (:func:`snap_to_pages`). All skip: every head keeps ``proximal``.
+
+    The engine rounds every head up to the grid, so equal shares off it held up to a page more per
+    head than the mean asks (issue #28: 54 requests admitted where page-exact policies admit 57)."""
+    held = proximal if quantum is None else page_count(proximal, length, quantum)
     kept = len(skips) - sum(map(bool, skips))
-    spare = (budget - proximal) * (len(skips) - kept)
-    extra, rest = divmod(spare, kept) if kept else (0, 0)
-    out, seen = [], 0
-    for skip in skips:
-        if skip:
-            out.append(proximal)
-            continue
-        out.append(budget + extra + (1 if seen < rest else 0))
-        seen += 1
-    return out
+    if not kept:
+        return [proximal] * len(skips)
+    each, rest = divmod(budget * len(skips) - held * (len(skips) - kept), kept)
+    shares = iter(snap_to_pages([each + (1 if i < rest else 0) for i in range(kept)], quantum, length))
+    return [held if skip else next(shares) for skip in skips]
 
 
 def _group_size(kv: LayerKV) -> int:
