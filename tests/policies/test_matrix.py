@@ -178,9 +178,10 @@ def test_page_rounding_keeps_a_superset_on_the_page_grid(case, n, group, fake_re
                                                          check_indices):
     """With the engine's page quantum every head keeps ≡ residue (mod bs) slots (or all), a
     superset of what it keeps without rounding, through decode recompressions too. Per-layer or
-    per-head budgets (``BUDGETS_ON_PAGES``) move onto the grid first with their sum kept: one may
-    then keep less than without the grid, so for them the total over every layer and head is what
-    is checked, at least the plain total and less than one page per head above it."""
+    per-head budgets (``budgets_on_pages()``) move onto the grid first with their sum kept: one
+    may then keep less than without the grid, so for them the total over every layer and head is
+    what is checked, at least the plain total and less than one page per head and layer above it
+    (each policy's own tests pin its tighter bound)."""
     block_size = 8
     policy = make_case(case)
     plain = make_case(case).decide(fake_request(n, 2, group, seed=n).inputs(policy), RequestState(prompt_len=n))
@@ -189,10 +190,10 @@ def test_page_rounding_keeps_a_superset_on_the_page_grid(case, n, group, fake_re
     layers = request.inputs(policy)
     selections = policy.decide(layers, state)
     _check_on_page_grid(layers, selections, state)
-    if policy.BUDGETS_ON_PAGES:
-        heads = len(plain[0].indices)
-        extra = sum(len(s.indices[h]) - len(b.indices[h]) for s, b in zip(selections, plain) for h in range(heads))
-        assert 0 <= extra < block_size * heads, f"{extra} more slots over {heads} heads than without the grid"
+    if policy.budgets_on_pages():
+        pairs = [(s, b, h) for s, b in zip(selections, plain) for h in range(len(b.indices))]
+        extra = sum(len(s.indices[h]) - len(b.indices[h]) for s, b, h in pairs)
+        assert 0 <= extra < block_size * len(pairs), f"{extra} more slots over {len(pairs)} heads than without the grid"
     else:
         for sel, base in zip(selections, plain):
             for idx, base_idx in zip(sel.indices, base.indices):

@@ -44,6 +44,29 @@ def test_adaptive_topk_global_cut(seed, sink, window, floor):
         assert min(extra_kept) >= max(dropped)
 
 
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(("n", "budget", "sink", "window"), [(200, 50, 0, 0), (203, 61, 4, 8), (97, 30, 2, 16)])
+def test_adaptive_topk_on_the_page_grid_holds_the_layer_total(seed, n, budget, sink, window):
+    """On the engine's grid every head keeps ≡ residue (mod page) slots (or its whole length),
+    the layer total stays within one page above the plain allocation's (not one per head), and
+    a head whose count moved keeps its best slots: a superset of its plain picks or a subset."""
+    page = 8
+    gen = torch.Generator().manual_seed(seed)
+    heads = 6
+    scores = torch.randn(heads, n, generator=gen) * torch.linspace(0.2, 3.0, heads).view(heads, 1)
+    lengths = torch.tensor([n] * (heads - 1) + [n - 3 * page])  # all ≡ the residue, as in the engine
+    quantum = (page, n % page)
+    plain = adaptive_topk(scores, budget, lengths, sink, window)
+    snapped = adaptive_topk(scores, budget, lengths, sink, window, quantum=quantum)
+    total = sum(len(k) for k in plain)
+    assert 0 <= sum(len(k) for k in snapped) - total < page
+    for h, (mine, base) in enumerate(zip(snapped, plain)):
+        assert len(mine) == int(lengths[h]) or len(mine) % page == quantum[1]
+        assert set(mine.tolist()) <= set(base.tolist()) or set(base.tolist()) <= set(mine.tolist())
+    rounded_up = sum(min(int(lengths[h]), len(k) + (quantum[1] - len(k)) % page) for h, k in enumerate(plain))
+    assert sum(len(k) for k in snapped) <= rounded_up  # what the engine held before, at most
+
+
 def test_floor_one_is_uniform():
     scores = torch.randn(3, 20)
     lengths = torch.full((3,), 20)

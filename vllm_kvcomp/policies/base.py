@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 
@@ -258,22 +258,25 @@ def page_count(kept: int, length: int, quantum: tuple[int, int] | None) -> int:
     return min(length, kept + (residue - kept) % block_size)
 
 
-def snap_to_pages(budgets: Sequence[int], quantum: tuple[int, int] | None, length: int) -> list[int]:
+def snap_to_pages(budgets: Sequence[int], quantum: tuple[int, int] | None,
+                  length: int | Sequence[int]) -> list[int]:
     """Per-layer budgets moved onto the page grid ``quantum`` (block_size, residue), their sum
     kept: each floors to the grid, then the layers with the largest remainders (ties to the lower
     layer) get their page back until the sum reaches the original (it then exceeds it by less than
     one page). Every budget stays within one page of its own; those >= ``length`` (everything
-    kept) or whose floor would be empty stay as they are. Without a grid: unchanged.
+    kept; one length for all or one each) or whose floor would be empty stay as they are.
+    Without a grid: unchanged.
 
     The engine rounds each head's kept count up to the grid anyway (:func:`round_to_pages`), so
     budgets off the grid would hold up to a page more per layer than their mean asks."""
     if quantum is None:
         return [int(b) for b in budgets]
     block_size, residue = quantum
+    lengths = [int(length)] * len(budgets) if isinstance(length, int) else [int(n) for n in length]
     out, spare = [], []
-    for b in (int(b) for b in budgets):
+    for b, n in zip((int(b) for b in budgets), lengths):
         floor = b - (b - residue) % block_size
-        fixed = b >= length or floor < 1
+        fixed = b >= n or floor < 1
         out.append(b if fixed else floor)
         spare.append(0 if fixed else b - floor)
     missing = sum(int(b) for b in budgets) - sum(out)
@@ -501,10 +504,6 @@ class Policy:
     #: True if the policy reads each layer's output projection (``LayerKV.out_proj``); the engine
     #: and the oracle fill it only then, and serve the policy uncompressed on a model without one.
     NEEDS_OUT_PROJ: ClassVar[bool] = False
-    #: True if the policy gives layers (or heads) budgets of their own and moves those onto the
-    #: page grid with their sum kept (:func:`snap_to_pages`): one may then keep fewer slots than
-    #: without the grid, all together less than one page more per head.
-    BUDGETS_ON_PAGES: ClassVar[bool] = False
 
     prefill: str = field(default="end", kw_only=True)
     scope: str = field(default="all", kw_only=True)
@@ -587,6 +586,13 @@ class Policy:
     def queries_needed(self) -> int:
         """How many trailing queries per layer the policy reads (0 = attention-free)."""
         return 0
+
+    def budgets_on_pages(self) -> bool:
+        """Whether the policy gives layers or heads budgets of their own and moves those onto the
+        engine's page grid with their sum kept (:func:`snap_to_pages`): one may then keep fewer
+        slots than without the grid, all together less than one page more per group (layer,
+        head or request) instead of up to a page more per head and layer."""
+        return False
 
     def mean_kept_bound(self, prompt_len: int, num_heads: int | None = None) -> int | None:
         """Most tokens per (layer, head), on average over them, the prompt-end compression keeps
@@ -679,7 +685,12 @@ class Policy:
         policy may still set a kept selection's ``compensation``). Default: nothing to carry."""
 
 
-Allocator = Callable[[Ranking, int, torch.Tensor, int, int], list[torch.Tensor]]
+class Allocator(Protocol):
+    """Kept slots per head (H sorted index tensors) from a [H, N] ranking: (ranking, budget,
+    lengths [H], sink, window, quantum = the engine's page grid or None)."""
+
+    def __call__(self, scores: Ranking, budget: int, lengths: torch.Tensor, sink: int, window: int, *,
+                 quantum: tuple[int, int] | None = None) -> list[torch.Tensor]: ...
 
 
 @dataclass
@@ -704,9 +715,11 @@ class ScorePolicy(Policy):
         return self.protected()
 
     def allocate(
-        self, scores: Ranking, budget: int, lengths: torch.Tensor, sink: int, window: int
+        self, scores: Ranking, budget: int, lengths: torch.Tensor, sink: int, window: int,
+        quantum: tuple[int, int] | None = None,
     ) -> list[torch.Tensor]:
-        """Kept slots per head from scores [H_kv, N]; default: the same ``budget`` for every head."""
+        """Kept slots per head from scores [H_kv, N]; default: the same ``budget`` for every head
+        (the engine's page grid ``quantum`` then rounds each up)."""
         return protected_topk(scores, budget, lengths, sink, window)
 
     def commit(self, kv: LayerKV, state: RequestState, selection: Selection, chosen: list[torch.Tensor]) -> None:
@@ -729,6 +742,9 @@ class ScorePolicy(Policy):
         """Whether :meth:`allocate` ranks the heads of a layer against each other."""
         return False
 
+    def budgets_on_pages(self) -> bool:
+        return self.allocates_across_heads()  # an allocation across heads snaps their counts
+
     def select_scored(self, kv: LayerKV, state: RequestState, budget: int, allocate: Allocator,
                       across_heads: bool = False) -> Selection:
         """One layer: protected region and scores of this policy, ``allocate``'s picks (rounded
@@ -739,9 +755,10 @@ class ScorePolicy(Policy):
         ranking = Ranking(self.score(kv, state).float())  # where the policy scored: allocations rank there
         if across_heads and state.ranks.size > 1:
             ranking = Ranking(ranking.scores.cpu())  # gathered over the ranks as host tensors
-            chosen = _allocate_over_ranks(state.ranks, allocate, ranking.scores, budget, lengths, sink, window)
+            chosen = _allocate_over_ranks(state.ranks, allocate, ranking.scores, budget, lengths, sink, window,
+                                          state.page_quantum)
         else:
-            chosen = allocate(ranking, budget, lengths, sink, window)
+            chosen = allocate(ranking, budget, lengths, sink, window, quantum=state.page_quantum)
         return Selection(chosen, priority=ranking)
 
     def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
@@ -751,7 +768,8 @@ class ScorePolicy(Policy):
 
 
 def _allocate_over_ranks(ranks: Ranks, allocate: Allocator, scores: torch.Tensor, budget: int,
-                         lengths: torch.Tensor, sink: int, window: int) -> list[torch.Tensor]:
+                         lengths: torch.Tensor, sink: int, window: int,
+                         quantum: tuple[int, int] | None) -> list[torch.Tensor]:
     """``allocate`` over every rank's heads (scores right-aligned to a common width), then this
     rank's part, back in its own slots."""
     width = int(ranks.reduce(scores.shape[1], max))
@@ -759,7 +777,7 @@ def _allocate_over_ranks(ranks: Ranks, allocate: Allocator, scores: torch.Tensor
     padded = torch.nn.functional.pad(scores, (pad, 0), value=float("-inf"))
     everyone = ranks.cat_heads(padded)
     all_lengths = ranks.cat_heads(lengths.to(torch.long))
-    chosen = allocate(Ranking(everyone), budget, all_lengths, sink, window)
+    chosen = allocate(Ranking(everyone), budget, all_lengths, sink, window, quantum=quantum)
     mine = chosen[ranks.rank * scores.shape[0] : (ranks.rank + 1) * scores.shape[0]]
     return [idx - pad for idx in mine]
 

@@ -126,7 +126,6 @@ class EntropyBudget(Policy):
     """Entropy-scaled per-layer budgets with one shared token set per layer."""
 
     name: ClassVar[str] = "entropy"
-    BUDGETS_ON_PAGES: ClassVar[bool] = True
     KEEPS: ClassVar[str] = "layer budgets ∝ attention entropy; one shared top-k set per layer + recent"
     PAPER: ClassVar[str] = "paper 002"
     TEST_PARAMS: ClassVar[Mapping[str, Any]] = {"ratio": 0.5, "window": 8, "interval": 4}
@@ -149,6 +148,9 @@ class EntropyBudget(Policy):
 
     def queries_needed(self) -> int:
         return self.window
+
+    def budgets_on_pages(self) -> bool:
+        return True  # the layer budgets are snapped (snap_to_pages)
 
     def mean_kept_bound(self, prompt_len: int, num_heads: int | None = None) -> int | None:
         """The layer budgets sum to (layers) x target (:func:`entropy_budgets`)."""

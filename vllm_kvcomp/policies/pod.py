@@ -117,7 +117,6 @@ class POD(Policy):
     PROFILE: ClassVar[str | None] = "pod"
     #: the gated heads' unused budget is shared out once; a second pass would share it again
     CAN_RECOMPRESS: ClassVar[bool] = False
-    BUDGETS_ON_PAGES: ClassVar[bool] = True
     PARAMS: ClassVar[dict[str, Param]] = {
         "tau": Param("tau", float, 0.9, 0.0, 1.0, help="gate threshold: drop distant tokens when g >= tau"),
         "observe": Param("observe", int, 16, 1, 4096, help="trailing prompt queries that score and gate"),
@@ -144,6 +143,9 @@ class POD(Policy):
 
     def queries_needed(self) -> int:
         return int(self.observe)
+
+    def budgets_on_pages(self) -> bool:
+        return True  # the shares are snapped (share_budget)
 
     def mean_kept_bound(self, prompt_len: int, num_heads: int | None = None) -> int | None:
         """The heads keep the budget on average (gated heads' unused budget goes to the others)."""

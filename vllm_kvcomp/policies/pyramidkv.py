@@ -78,7 +78,6 @@ class PyramidKV(Policy):
     KEEPS: ClassVar[str] = "SnapKV per layer, budgets decreasing linearly with depth (mean = `ratio`)"
     PAPER: ClassVar[str] = "Cai et al. 2024"
     TEST_PARAMS: ClassVar[Mapping[str, Any]] = {"ratio": 0.5, "window": 8}
-    BUDGETS_ON_PAGES: ClassVar[bool] = True
     PARAMS: ClassVar[dict[str, Param]] = {
         **SnapKV.PARAMS,
         "beta": Param("beta", int, 20, 1, 1024,
@@ -103,6 +102,9 @@ class PyramidKV(Policy):
 
     def queries_needed(self) -> int:
         return self.window
+
+    def budgets_on_pages(self) -> bool:
+        return True  # the pyramid is snapped (snap_to_pages)
 
     def mean_kept_bound(self, prompt_len: int, num_heads: int | None = None) -> int | None:
         """The layer budgets average exactly ``target_budget`` (:func:`pyramid_budgets`)."""

@@ -31,8 +31,10 @@ from vllm_kvcomp.policies.base import (
     Selection,
     head_rows,
     live_mask,
+    page_count,
     protected_mask,
     protected_topk,
+    snap_to_pages,
 )
 
 #: AdaKV's safeguard: every head keeps at least this fraction of the per-head budget.
@@ -53,12 +55,18 @@ def adaptive_topk(
     sink: int = 0,
     window: int = 0,
     floor: float = ADAPTIVE_FLOOR,
+    quantum: tuple[int, int] | None = None,
 ) -> list[torch.Tensor]:
     """AdaKV allocation of ``sum_h min(budget, length_h)`` slots over the heads of one layer.
 
     scores [H, N] (higher = keep), lengths [H] right-aligned live slots. Each head first keeps
     ``max(sink + window, ceil(floor · budget))`` slots by :func:`protected_topk`; the rest of the
     layer's total goes to the best remaining scores over all heads. Returns H sorted index tensors.
+
+    On the engine's page grid ``quantum`` (block_size, residue) the floor is rounded up to it and
+    the heads' counts move onto it with their sum kept (:func:`snap_to_pages`: a head drops its
+    lowest picks or takes its next best), so the layer holds its total within one page instead of
+    up to a page more per head.
     """
     ranking = Ranking.of(scores)
     scores = ranking.scores
@@ -66,6 +74,8 @@ def adaptive_topk(
     lengths = lengths.to(torch.long).cpu()
     total = int(torch.clamp(lengths, max=budget).sum())
     base = min(budget, max(sink + window, math.ceil(floor * budget - 1e-9)))
+    if quantum is not None:
+        base = page_count(base, n, quantum)
     taken = protected_mask(ranking, base, lengths, sink, window)
     extra = total - int(taken.sum())
     if extra > 0:
@@ -73,6 +83,11 @@ def adaptive_topk(
         candidates = scores.float().masked_fill(hidden, float("-inf")).flatten()  # ranked where the scores are
         best = torch.sort(candidates, descending=True, stable=True).indices[:extra].cpu()
         taken.view(-1)[best] = True
+    if quantum is not None:
+        counts = taken.sum(1).tolist()
+        snapped = snap_to_pages(counts, quantum, lengths.tolist())
+        if snapped != counts:
+            taken = protected_mask(ranking, snapped, lengths, sink, window)
     return head_rows(taken)
 
 
@@ -85,10 +100,11 @@ class HeadsChoice:
         return self.heads == "adaptive"
 
     def allocate(
-        self, scores: Ranking, budget: int, lengths: torch.Tensor, sink: int, window: int
+        self, scores: Ranking, budget: int, lengths: torch.Tensor, sink: int, window: int,
+        quantum: tuple[int, int] | None = None,
     ) -> list[torch.Tensor]:
         if self.heads == "adaptive":
-            return adaptive_topk(scores, budget, lengths, sink, window)
+            return adaptive_topk(scores, budget, lengths, sink, window, quantum=quantum)
         return protected_topk(scores, budget, lengths, sink, window)
 
 
@@ -136,6 +152,9 @@ class AdaptiveHeads(_Wrapper):
     def mean_kept_bound(self, prompt_len: int, num_heads: int | None = None) -> int | None:
         return self.target_budget(prompt_len)  # spread over heads, the layer total is H·B
 
+    def budgets_on_pages(self) -> bool:
+        return True
+
     def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
         if state.budget is None:
             state.budget = self.target_budget(int(kv.valid_lengths().max()))
@@ -160,6 +179,9 @@ class LayerBudgets(_Wrapper):
 
     def mean_kept_bound(self, prompt_len: int, num_heads: int | None = None) -> int | None:
         return min(prompt_len, -(-sum(int(b) for b in self.budgets) // len(self.budgets)))
+
+    def budgets_on_pages(self) -> bool:
+        return self.inner.budgets_on_pages()
 
     def select(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
         if layers and len(self.budgets) < layers[0].num_layers:
