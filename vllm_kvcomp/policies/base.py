@@ -260,7 +260,7 @@ def page_count(kept: int, length: int, quantum: tuple[int, int] | None) -> int:
 
 def snap_to_pages(budgets: Sequence[int], quantum: tuple[int, int] | None,
                   length: int | Sequence[int]) -> list[int]:
-    """Per-layer budgets moved onto the page grid ``quantum`` (block_size, residue), their sum
+    """Per-layer (or per-head) budgets moved onto the page grid ``quantum`` (block_size, residue), their sum
     kept: each floors to the grid, then the layers with the largest remainders (ties to the lower
     layer) get their page back until the sum reaches the original (it then exceeds it by less than
     one page). Every budget stays within one page of its own; those >= ``length`` (everything
