@@ -24,7 +24,7 @@ def test_adaptive_topk_global_cut(seed, sink, window, floor):
     scores = torch.randn(heads, n, generator=gen) * torch.tensor([[0.1], [1.0], [3.0], [0.5]])
     lengths = torch.tensor([40, 25, 8, 40])
     kept = adaptive_topk(scores, budget, lengths, sink, window, floor)
-    assert sum(len(k) for k in kept) == sum(min(budget, int(x)) for x in lengths)
+    assert sum(len(k) for k in kept) == min(budget * heads, int(lengths.sum()))  # the layer's H·B
     base = min(budget, max(sink + window, math.ceil(floor * budget)))
     extra_kept, dropped = [], []
     for h, idx in enumerate(kept):
@@ -65,6 +65,26 @@ def test_adaptive_topk_on_the_page_grid_holds_the_layer_total(seed, n, budget, s
         assert set(mine.tolist()) <= set(base.tolist()) or set(base.tolist()) <= set(mine.tolist())
     rounded_up = sum(min(int(lengths[h]), len(k) + (quantum[1] - len(k)) % page) for h, k in enumerate(plain))
     assert sum(len(k) for k in snapped) <= rounded_up  # what the engine held before, at most
+
+
+def test_adaptive_recompression_keeps_the_layer_total(fake_request):
+    """Through decode recompressions the layer keeps H·B: a head given little at the prompt (and
+    so holding less than B) leaves the rest to the others instead of shrinking the total."""
+    policy = CompressionSpec.from_header("policy=h2o; budget=24; window=2; heads=adaptive; interval=4").build_policy()
+    request = fake_request(120, 4, 2, seed=11)
+    for layer in range(request.num_layers):
+        request.keys[layer][0] *= 6  # head 0 attends sharply: AdaKV gives it less than B
+    state = RequestState(prompt_len=120)
+    request.apply(policy.decide(request.inputs(policy), state))
+    totals = []
+    for step in range(1, 25):
+        request.decode_step()
+        if step % 4 == 0 and policy.due(state, request.max_live(), 4):
+            selections = policy.decide(request.inputs(policy), state)
+            totals += [int(sel.counts().sum()) for sel in selections]
+            request.apply(selections)
+            assert min(sel.counts().min() for sel in selections) < 24  # some head holds less than B
+    assert totals and all(t == 4 * 24 for t in totals), totals
 
 
 def test_floor_one_is_uniform():

@@ -1,7 +1,7 @@
 """Budget schemes that compose over any :class:`ScorePolicy`.
 
 * :func:`adaptive_topk` / :class:`AdaptiveHeads`: AdaKV-style allocation. A layer's total budget
-  ``sum_h min(B, length_h)`` (= H·B) goes to the globally best scores over all its heads, after a
+  H·B (or every live slot, if fewer) goes to the globally best scores over all its heads, after a
   per-head floor of ``ceil(floor · B)`` tokens (AdaKV's safeguard, default 0.2) plus the inner
   policy's sink/window.
 * :class:`LayerBudgets`: explicit per-layer per-head budgets.
@@ -57,11 +57,15 @@ def adaptive_topk(
     floor: float = ADAPTIVE_FLOOR,
     quantum: tuple[int, int] | None = None,
 ) -> list[torch.Tensor]:
-    """AdaKV allocation of ``sum_h min(budget, length_h)`` slots over the heads of one layer.
+    """AdaKV allocation of ``min(H · budget, sum_h length_h)`` slots over the H heads of one layer.
 
     scores [H, N] (higher = keep), lengths [H] right-aligned live slots. Each head first keeps
     ``max(sink + window, ceil(floor · budget))`` slots by :func:`protected_topk`; the rest of the
     layer's total goes to the best remaining scores over all heads. Returns H sorted index tensors.
+    The total is the layer's, not each head's ``min(budget, length_h)`` summed: in a decode
+    recompression a head that was given little holds less than ``budget``, and what it does not
+    use stays with the layer (summed per head, the total shrank at every recompression: h2o
+    adaptive held 0.19 of the cache at ratio 0.25, issue #28).
 
     On the engine's page grid ``quantum`` (block_size, residue) the floor is rounded up to it and
     the heads' counts move onto it with their sum kept (:func:`snap_to_pages`: a head drops its
@@ -72,7 +76,7 @@ def adaptive_topk(
     scores = ranking.scores
     n = scores.shape[1]
     lengths = lengths.to(torch.long).cpu()
-    total = int(torch.clamp(lengths, max=budget).sum())
+    total = min(budget * len(lengths), int(lengths.sum()))
     base = min(budget, max(sink + window, math.ceil(floor * budget - 1e-9)))
     if quantum is not None:
         base = page_count(base, n, quantum)
