@@ -23,7 +23,8 @@ the gate g of eq. 4, and skip the distant part when g ≥ τ (§2.3). This modul
 ``ratio`` is the mean kept fraction over every (layer, KV head): what the heads that skip do not
 use of the per-head budget B goes to the others, in equal shares moved onto the engine's page grid
 with their sum kept (:func:`share_budget`), so the request holds B per head on average, within one
-page in all (issue #28; every rank of a tensor-parallel engine sees every head's gate). Without a profile (``groups is None``) every layer is its own group (own scores).
+page in all (issue #28; every rank of a tensor-parallel engine sees every head's gate). Without a
+profile (``groups is None``) every layer is its own group (own scores).
 """
 
 from __future__ import annotations
