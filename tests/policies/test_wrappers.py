@@ -87,6 +87,34 @@ def test_adaptive_recompression_keeps_the_layer_total(fake_request):
     assert totals and all(t == 4 * 24 for t in totals), totals
 
 
+@pytest.mark.parametrize("heads", ["uniform", "adaptive"])
+def test_recompression_waits_a_page_past_the_largest_allotment(fake_request, heads):
+    """On the engine's page grid a decode recompression is due once the longest head is a page
+    past what it was given, adaptive or not: every head grows alike, so the layer then frees a
+    page a head. Before, an adaptive head given more than B made every interval due (half the
+    cut freed nothing but moved slots between heads, twice the decode cost of uniform)."""
+    page, prompt = 8, 120
+    policy = CompressionSpec.from_header(f"policy=h2o; budget=24; window=2; heads={heads}; interval=4").build_policy()
+    request = fake_request(prompt, 4, 2, seed=11)
+    for layer in range(request.num_layers):
+        request.keys[layer][0] *= 6  # head 0 attends sharply: adaptive heads give it more or less than B
+    state = RequestState(prompt_len=prompt)
+    state.page_quantum = (page, prompt % page)
+    request.apply(policy.decide(request.inputs(policy), state))
+    assert state.allotted == max(len(idx) for layer in range(request.num_layers) for idx in request.positions[layer])
+    due_at, freed = [], []
+    for step in range(1, 49):
+        request.decode_step()
+        if step % 4 == 0 and policy.due(state, request.max_live(), 4):
+            before = sum(sum(request.lengths(layer)) for layer in range(request.num_layers))
+            state.page_quantum = (page, (prompt + step) % page)
+            request.apply(policy.decide(request.inputs(policy), state))
+            due_at.append(step)
+            freed.append(before - sum(sum(request.lengths(layer)) for layer in range(request.num_layers)))
+    assert due_at == [8, 16, 24, 32, 40, 48], due_at  # a page of growth each time
+    assert all(f >= page * request.num_layers for f in freed), freed  # each frees at least a page a layer
+
+
 def test_floor_one_is_uniform():
     scores = torch.randn(3, 20)
     lengths = torch.full((3,), 20)

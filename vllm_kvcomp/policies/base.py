@@ -210,13 +210,16 @@ class RequestState:
     """Per-request memory a policy carries between compressions (one per request, all layers).
 
     ``budget`` is the per-head kept count fixed at the first compression; decode-time
-    recompression returns to it. ``layers[i]`` is the policy's own typed memory of layer i (one
+    recompression returns to it. ``allotted`` is the most any head was given at the last
+    compression (a head of an adaptive allocation may hold several times ``budget``), the mark a
+    recompression waits a page past. ``layers[i]`` is the policy's own typed memory of layer i (one
     dataclass per policy, :meth:`layer`: H2O accumulators, LagKV cursors), indexed by the *slots
     kept*: a policy that stores per-slot values gathers them with what :meth:`Policy.decide` kept.
     """
 
     prompt_len: int = 0
     budget: int | None = None
+    allotted: int | None = None
     compressions: int = 0
     layers: dict[int, Any] = field(default_factory=dict)
     #: (block_size, residue) of the engine's pages for the compression in progress, or None (no
@@ -243,11 +246,13 @@ class RequestState:
         return self.page_quantum[0] if self.page_quantum is not None else 1
 
     def over_budget(self, num_tokens: int) -> bool:
-        """Whether cutting ``num_tokens`` live tokens back to ``budget`` frees something: on the
-        engine's page grid (rounded up to it) only once a whole page is over the budget."""
+        """Whether cutting the longest head's ``num_tokens`` live tokens back frees something: on
+        the engine's page grid (rounded up to it) only once it is a whole page over ``budget``
+        and over what it was ``allotted`` (every head grows alike, so before that an adaptive
+        allocation would only move slots between heads, freeing less than a page a head)."""
         if self.budget is None:
             return False
-        return num_tokens - self.budget >= self.page_size
+        return num_tokens - max(self.budget, self.allotted or 0) >= self.page_size
 
 
 def page_count(kept: int, length: int, quantum: tuple[int, int] | None) -> int:
@@ -638,7 +643,8 @@ class Policy:
 
     def due(self, state: RequestState, num_tokens: int, steps_since: int) -> bool:
         """Whether to recompress now, during decode (only asked if :attr:`recompresses`): every
-        ``interval`` steps (a policy without one: every step) once a page is over the budget."""
+        ``interval`` steps (a policy without one: every step) once the longest head is a page
+        over the budget and over its allotment (:meth:`RequestState.over_budget`)."""
         return steps_since >= (self.interval or 1) and state.over_budget(num_tokens)
 
     def decide(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
@@ -651,6 +657,8 @@ class Policy:
 
     def _decide_all(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
         picks = self.select(layers, state)
+        most = max((len(idx) for pick in picks for idx in pick.indices), default=0)
+        state.allotted = int(state.ranks.reduce(most, max))  # over every rank's heads
         kept = [round_to_pages(pick, kv, state.page_quantum) for kv, pick in zip(layers, picks)]
         self.commit_kept(layers, state, picks, kept)
         return kept
