@@ -123,3 +123,24 @@ def test_one_shot_policies_asked_to_recompress_match_oracle(engine, oracle_model
         expected = oracle_generate(oracle_model, prompt, policy, tokens, block_size=BLOCK_SIZE)
         _assert_same(out, expected, f"{spec['policy']} decode=recompress")
         assert out.kv_transfer_params["kvcomp"]["compressions"] == len(expected.compressions) >= 2, spec["policy"]
+
+
+def test_variants_match_oracle(engine, oracle_model):
+    """Every policy's named variants (``VARIANTS``: e.g. ``heads=adaptive``) in one batch equal the
+    oracle; h2o adaptive recompresses during decode with heads of unequal lengths (the engine
+    right-aligns them for the policy)."""
+    tokens = 40
+    specs = [{"policy": n, **SPECS[n], **extra} for n in POLICY_NAMES for extra in get_policy_class(n).VARIANTS.values()]
+    prompts = [prompt_ids(PROMPT_LEN - 3 * i, seed=900 + i) for i in range(len(specs))]
+    outs = generate(engine, prompts, [params(tokens, **spec) for spec in specs])
+    from vllm_kvcomp.engine.policy_factory import PolicyFactory
+    from vllm_kvcomp.oracle import generate as oracle_generate
+
+    factory = PolicyFactory(str(engine.model_dir))
+    for spec, prompt, out in zip(specs, prompts, outs):
+        expected = oracle_generate(oracle_model, prompt, factory.build(CompressionSpec.from_mapping(spec)), tokens,
+                                   block_size=BLOCK_SIZE)
+        _assert_same(out, expected, str(spec))
+        assert out.kv_transfer_params["kvcomp"]["compressions"] == len(expected.compressions), spec
+    recompressed = [s for s, o in zip(specs, outs) if o.kv_transfer_params["kvcomp"]["compressions"] >= 2]
+    assert {"policy": "h2o", **SPECS["h2o"], "heads": "adaptive"} in recompressed

@@ -337,12 +337,14 @@ class KVCompWorker:
         full_k, full_v = self.cache.read_pages(tables.to(self.cache.device))  # [L, H, W * bs, D]
         if bool((lengths == n).all()):  # every head equally long (e.g. the first compression)
             full_k, full_v = full_k[:, :, :n], full_v[:, :, :n]
-        else:  # right-align each head, zeros on the left
+        else:  # right-align each head, zeros on the left: one row gather, then the padding rows zeroed
+            num_layers, heads, width, dim = full_k.shape
             virtual = torch.arange(n) - (n - lengths.unsqueeze(-1))  # [L, H, N]; < 0: left padding
-            index = virtual.clamp(min=0).unsqueeze(-1).expand(-1, -1, -1, full_k.shape[-1]).to(full_k.device)
-            pad = (virtual < 0).unsqueeze(-1).to(full_k.device)
-            full_k = full_k.gather(2, index).masked_fill_(pad, 0)
-            full_v = full_v.gather(2, index).masked_fill_(pad, 0)
+            rows = (torch.arange(num_layers * heads).view(num_layers, heads, 1) * width + virtual.clamp(min=0)).flatten()
+            pad = torch.nonzero(virtual.flatten() < 0).flatten().to(full_k.device)
+            rows = rows.to(full_k.device)
+            full_k = full_k.reshape(-1, dim).index_select(0, rows).index_fill_(0, pad, 0).view(num_layers, heads, n, dim)
+            full_v = full_v.reshape(-1, dim).index_select(0, rows).index_fill_(0, pad, 0).view(num_layers, heads, n, dim)
         inputs = []
         for layer in range(self.num_layers):
             width = int(lengths[layer].max())
