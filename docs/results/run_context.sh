@@ -27,7 +27,7 @@
 #
 # Output: docs/results/context_<scope>.jsonl (one line per sample, appended and resumed),
 # docs/results/context_<scope>.md (n and Wilson 95 % intervals per cell),
-# docs/results/context_<scope>/*.png.
+# docs/results/context_<scope>/*.png, and README.md's quality table (both scopes) regenerated.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PORT=${PORT:-8767}
@@ -52,3 +52,4 @@ fi
 source docs/results/serve.sh
 serve "$PORT"
 "${EVAL[@]}" --url "http://127.0.0.1:$PORT" --concurrency 2 --max-errors 50
+python3 -m vllm_kvcomp.eval.quality_table --write README.md  # README's quality table, both scopes

@@ -8,7 +8,7 @@ live in :mod:`vllm_kvcomp.eval.claims`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -92,32 +92,52 @@ def sweep_markdown(rows: Sequence[Row], policy: str = "lagkv", key: str = "lag")
     return "\n".join(out)
 
 
+@dataclass(frozen=True)
+class Pooled:
+    """One (condition, ratio)'s samples pooled over tasks: mean score, samples, mean kept
+    fraction weighted by samples (None: the server reported none)."""
+
+    mean: float
+    n: int
+    kept: float | None
+
+
+def pooled(rows: Sequence[Row], length: int) -> tuple[list[str], dict[tuple[str, float], Pooled]]:
+    """At ``length``: the tasks full cache ran, and every (condition, ratio) that ran all of them,
+    its samples pooled over them (no tasks: full cache ran none)."""
+    tasks = sorted({r.task for r in rows if r.length == length and r.policy == "full"})
+    cells: dict[tuple[str, float], list[Row]] = {}
+    for r in rows:
+        if r.length == length and r.task in tasks and r.n and r.accuracy is not None:
+            cells.setdefault((r.condition, r.ratio), []).append(r)
+    out = {}
+    for key, group in cells.items():
+        if len({c.task for c in group}) < len(tasks):
+            continue
+        n = sum(c.n for c in group)
+        kept = [(c.kept, c.n) for c in group if c.kept is not None]
+        out[key] = Pooled(sum(c.accuracy * c.n for c in group) / n, n,
+                          sum(k * m for k, m in kept) / sum(m for _, m in kept) if kept else None)
+    return tasks, out
+
+
 def pooled_markdown(rows: Sequence[Row]) -> str:
     """Every condition's samples pooled over the tasks that full cache also ran at that length
     (mean, Wilson 95 % interval over the pooled samples, the ratio to full's pooled mean, mean
     kept), best first; empty when no length has full cache and two tasks."""
     out = []
     for length in sorted({r.length for r in rows}):
-        tasks = sorted({r.task for r in rows if r.length == length and r.policy == "full"})
+        tasks, means = pooled(rows, length)
         if len(tasks) < 2:
             continue
-        cells: dict[tuple[str, float], list[Row]] = {}
-        for r in rows:
-            if r.length == length and r.task in tasks and r.n and r.accuracy is not None:
-                cells.setdefault((r.condition, r.ratio), []).append(r)
-        pooled = {k: v for k, v in cells.items() if len({c.task for c in v}) == len(tasks)}
-        means = {k: (sum(c.accuracy * c.n for c in v) / sum(c.n for c in v), sum(c.n for c in v))
-                 for k, v in pooled.items()}
-        full = next((m for (cond, _), (m, _) in means.items() if cond == "full"), None)
+        full = next((p.mean for (cond, _), p in means.items() if cond == "full"), None)
         out += [f"{format_length(length)} tokens, pooled over {', '.join(tasks)}:", "",
                 "| policy | ratio | n | accuracy | 95% CI | vs full | kept |", "|---|---:|---:|---:|---|---:|---:|"]
-        for (cond, ratio), (mean, n) in sorted(means.items(), key=lambda kv: (-kv[1][0], kv[0])):
-            low, high = wilson(mean, n)
-            kept = [(c.kept, c.n) for c in pooled[(cond, ratio)] if c.kept is not None]
-            held = sum(k * n for k, n in kept) / sum(n for _, n in kept) if kept else None
-            versus = f"{mean / full:.2f}x" if full else "–"
-            out.append(f"| {cond} | {ratio:g} | {n} | {mean:.3f} | [{low:.2f}, {high:.2f}] | {versus} | "
-                       f"{_num(held)} |")
+        for (cond, ratio), p in sorted(means.items(), key=lambda kv: (-kv[1].mean, kv[0])):
+            low, high = wilson(p.mean, p.n)
+            versus = f"{p.mean / full:.2f}x" if full else "–"
+            out.append(f"| {cond} | {ratio:g} | {p.n} | {p.mean:.3f} | [{low:.2f}, {high:.2f}] | {versus} | "
+                       f"{_num(p.kept)} |")
         out.append("")
     return "\n".join(out)
 
@@ -154,6 +174,6 @@ def write_report(records: Sequence[dict[str, Any]], summary: Path, folder: Path 
     return rows
 
 
-__all__ = ["Row", "claims_markdown", "format_length", "latest", "markdown", "plot_accuracy",
-           "plot_heatmaps", "plot_memory", "pooled_markdown", "report_markdown", "summarize",
+__all__ = ["Pooled", "Row", "claims_markdown", "format_length", "latest", "markdown", "plot_accuracy",
+           "plot_heatmaps", "plot_memory", "pooled", "pooled_markdown", "report_markdown", "summarize",
            "sweep_markdown", "write_report"]
