@@ -107,3 +107,20 @@ def test_admission_rows_mark_a_peak_the_window_cut_short_as_a_lower_bound():
     assert pages._row("tova", "0.25", None, None, pages.Admitted(27, 0.55, "time"), full).endswith(
         "| >= 27 | >= 1.69x | 55% | time |")
     assert pages._row("razor", "0.25", None, None, None, full).endswith("| - | - | - | - |")
+
+
+@pytest.mark.parametrize(("phases", "expected"), [({"limit"}, "8000-token"), ({"held", "limit"}, "2048 / 8000-token"),
+                                                   ({"held"}, "2048-token")])
+def test_report_names_the_prompt_lengths_its_phases_ran(monkeypatch, phases, expected):
+    monkeypatch.setattr(pages, "_limit_table", lambda *a: ["limit table"])
+    monkeypatch.setattr(pages, "_held_header", lambda *a: "held header")
+    monkeypatch.setattr(pages, "_row", lambda *a: "row")
+    monkeypatch.setattr(pages, "_columns", lambda *a: 1)
+    monkeypatch.setattr(pages, "model_line", lambda model: "Model")
+    full = pages.Held(64.0, 20.0, 1.0)
+    results = {"held": {"full": (full, full)} if "held" in phases else None, "admit": None, "membound": None,
+               "limit": {"x": 1} if "limit" in phases else None}
+    args = argparse.Namespace(model="m", prompt_len=2048, limit_lengths="8000", streams=4, decode_tokens=96,
+                              pool_held=332)
+    assert pages._report(args, [], results).splitlines()[0] == f"Model, block size 32, {expected} random prompts, " \
+                                                                "through `vllm-kvcomp serve`."

@@ -327,8 +327,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _report(args, configs, results) -> str:
     held, admit, membound = results["held"], results["admit"], results["membound"]
+    sizes = [str(args.prompt_len)] if any(results[name] for name in ("held", "admit", "membound")) else []
+    if results["limit"]:
+        sizes += [n for n in args.limit_lengths.split(",") if n not in sizes]
+    prompts = " / ".join(sizes) + "-token"
     lines = [f"{model_line(args.model)}, block size 32, "
-             f"{args.prompt_len}-token random prompts, through `vllm-kvcomp serve`.", ""]
+             f"{prompts} random prompts, through `vllm-kvcomp serve`.", ""]
     if held or admit:
         lines += [_held_header(held, admit), "|" + "---|" * _columns(held, admit)]
         full_held = _mean_held(held["full"]) if held else None
