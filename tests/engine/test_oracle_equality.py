@@ -24,13 +24,13 @@ def oracle_model(engine):
     return load_model(engine.model_dir)
 
 
-def _oracle(engine, oracle_model, prompt, name, **settings):
+def _oracle(engine, oracle_model, prompt, name, tokens=MAX_TOKENS, **settings):
     from vllm_kvcomp.engine.policy_factory import PolicyFactory
     from vllm_kvcomp.oracle import generate as oracle_generate
 
     spec = CompressionSpec.from_mapping({"policy": name, **SPECS[name], **settings})
     policy = PolicyFactory(str(engine.model_dir)).build(spec)
-    return oracle_generate(oracle_model, prompt, policy, MAX_TOKENS, block_size=BLOCK_SIZE)
+    return oracle_generate(oracle_model, prompt, policy, tokens, block_size=BLOCK_SIZE)
 
 
 def _assert_same(vllm_out, expected, label):
@@ -108,8 +108,6 @@ def test_one_shot_policies_asked_to_recompress_match_oracle(engine, oracle_model
     """``decode=recompress``: every one-shot method that may recompress, in one batch, cuts its
     generated tokens back to its prompt budget as the oracle does (a recompression is due once a
     page is over the budget: within 40 tokens)."""
-    from vllm_kvcomp.engine.policy_factory import PolicyFactory
-    from vllm_kvcomp.oracle import generate as oracle_generate
     from vllm_kvcomp.policies.registry import recompressing_policy_names
 
     tokens = 40
@@ -117,10 +115,8 @@ def test_one_shot_policies_asked_to_recompress_match_oracle(engine, oracle_model
     specs = [{"policy": n, **SPECS[n], "decode": "recompress"} for n in names]
     prompts = [prompt_ids(PROMPT_LEN - 3 * i, seed=800 + i) for i in range(len(names))]
     outs = generate(engine, prompts, [params(tokens, **spec) for spec in specs])
-    factory = PolicyFactory(str(engine.model_dir))
     for spec, prompt, out in zip(specs, prompts, outs):
-        policy = factory.build(CompressionSpec.from_mapping(spec))
-        expected = oracle_generate(oracle_model, prompt, policy, tokens, block_size=BLOCK_SIZE)
+        expected = _oracle(engine, oracle_model, prompt, spec["policy"], tokens=tokens, decode="recompress")
         _assert_same(out, expected, f"{spec['policy']} decode=recompress")
         assert out.kv_transfer_params["kvcomp"]["compressions"] == len(expected.compressions) >= 2, spec["policy"]
 
@@ -130,16 +126,12 @@ def test_variants_match_oracle(engine, oracle_model):
     oracle; h2o adaptive recompresses during decode with heads of unequal lengths (the engine
     right-aligns them for the policy)."""
     tokens = 40
-    specs = [{"policy": n, **SPECS[n], **extra} for n in POLICY_NAMES for extra in get_policy_class(n).VARIANTS.values()]
+    variants = [(n, extra) for n in POLICY_NAMES for extra in get_policy_class(n).VARIANTS.values()]
+    specs = [{"policy": n, **SPECS[n], **extra} for n, extra in variants]
     prompts = [prompt_ids(PROMPT_LEN - 3 * i, seed=900 + i) for i in range(len(specs))]
     outs = generate(engine, prompts, [params(tokens, **spec) for spec in specs])
-    from vllm_kvcomp.engine.policy_factory import PolicyFactory
-    from vllm_kvcomp.oracle import generate as oracle_generate
-
-    factory = PolicyFactory(str(engine.model_dir))
-    for spec, prompt, out in zip(specs, prompts, outs):
-        expected = oracle_generate(oracle_model, prompt, factory.build(CompressionSpec.from_mapping(spec)), tokens,
-                                   block_size=BLOCK_SIZE)
+    for (name, extra), spec, prompt, out in zip(variants, specs, prompts, outs):
+        expected = _oracle(engine, oracle_model, prompt, name, tokens=tokens, **extra)
         _assert_same(out, expected, str(spec))
         assert out.kv_transfer_params["kvcomp"]["compressions"] == len(expected.compressions), spec
     recompressed = [s for s, o in zip(specs, outs) if o.kv_transfer_params["kvcomp"]["compressions"] >= 2]
