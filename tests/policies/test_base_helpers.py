@@ -79,8 +79,9 @@ def test_page_rounding_adds_the_next_best_live_slots():
     assert recent[0].tolist() == [0, 4, 7] and recent[1].tolist() == [5, 6, 7]
 
 
-def test_a_layer_is_ranked_once_for_its_pick_and_its_page_rounding(monkeypatch):
-    """A score policy's pick and the page rounding after it read one order (one sort per layer)."""
+def test_the_layers_are_ranked_once_for_their_picks_and_their_page_rounding(monkeypatch):
+    """A score policy's picks and the page rounding after them read one order: one sort of every
+    layer's heads as rows (the layers' picks are allocated together)."""
     from vllm_kvcomp.policies.snapkv import SnapKV
 
     sorts = []
@@ -92,7 +93,7 @@ def test_a_layer_is_ranked_once_for_its_pick_and_its_page_rounding(monkeypatch):
     state = RequestState(page_quantum=(8, 40 % 8))
     kept = SnapKV(budget=13, window=4, kernel=1).decide(layers, state)
     assert [k.counts().tolist() for k in kept] == [[16, 16]] * 3  # rounded: 13 -> 16 ≡ 40 (mod 8)
-    assert sorts == [(2, 40)] * 3
+    assert sorts == [(6, 40)]
 
 
 def test_decide_rounds_every_policys_pick_and_commits_what_is_kept():

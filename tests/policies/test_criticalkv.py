@@ -252,9 +252,9 @@ def test_the_oracle_hands_each_layers_o_proj_to_a_policy_that_asks(tmp_path):
 
     def spy(cls, key):
         class Spy(cls):
-            def select_layer(self, kv, state):
-                seen[key].append((kv.layer, kv.out_proj))
-                return super().select_layer(kv, state)
+            def select(self, layers, state):
+                seen[key].extend((kv.layer, kv.out_proj) for kv in layers)
+                return super().select(layers, state)
         return Spy
 
     oracle.generate(model, list(range(3, 40)), spy(CriticalKV, "criticalkv")(ratio=0.5, window=4), 2)

@@ -178,3 +178,32 @@ def test_layer_budgets():
         LayerBudgets(SnapKV(), budgets=(5,)).decide(layers, RequestState())
     with pytest.raises(SpecError, match="budgets"):
         LayerBudgets(SnapKV(), budgets=(5, 0, 3))
+
+
+def _layers_of_unequal_widths(seed: int) -> list[LayerKV]:
+    """Four layers as a decode recompression reads them: widths differ, a layer's heads hold
+    unequal lengths (right-aligned), and the scores tie (keys rounded)."""
+    gen = torch.Generator().manual_seed(seed)
+    layers = []
+    for layer, width in enumerate((40, 27, 40, 33)):
+        lengths = torch.tensor([width, width - int(torch.randint(0, 9, (1,), generator=gen)), width - 5])
+        keys = (torch.randn(3, width, 4, generator=gen) * 2).round() / 2
+        layers.append(LayerKV(keys, torch.randn(3, width, 4, generator=gen), layer=layer, num_layers=4, lengths=lengths,
+                              queries=torch.randn(6, 4, 4, generator=gen)))
+    return layers
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("heads", ["uniform", "adaptive"])
+@pytest.mark.parametrize("quantum", [None, (8, 3)])
+def test_one_allocation_for_every_layer_keeps_what_layer_by_layer_keeps(seed, heads, quantum):
+    """A score policy allocates every layer at once (one sort of all the layers' heads); each
+    layer keeps what deciding it alone keeps, page rounding included (it reads each layer's part
+    of the shared order), with per-layer budgets too."""
+    layers = _layers_of_unequal_widths(seed)
+    for policy in (SnapKV(budget=13, window=3, kernel=1, heads=heads),
+                   LayerBudgets(inner=KNorm(budget=9, heads=heads), budgets=[11, 6, 17, 9])):
+        together = policy.decide(layers, RequestState(page_quantum=quantum))
+        alone = [policy.decide([kv], RequestState(page_quantum=quantum))[0] for kv in layers]
+        assert [[idx.tolist() for idx in sel.indices] for sel in together] == \
+            [[idx.tolist() for idx in sel.indices] for sel in alone]

@@ -135,6 +135,50 @@ class Ranking:
         return self._order
 
 
+class LayerRows:
+    """Several layers' [H, N_l] rankings as one [L·H, N] :class:`Ranking` (N = the widest layer;
+    each layer's rows right-aligned, -inf on its left padding) with their lengths [L·H]: one
+    sort and one pass of masks for every layer instead of one per layer."""
+
+    def __init__(self, rankings: Sequence[Ranking], lengths: Sequence[torch.Tensor]) -> None:
+        self.rankings = list(rankings)
+        self.heads = self.rankings[0].scores.shape[0] if self.rankings else 0
+        width = max((r.scores.shape[1] for r in self.rankings), default=0)
+        self.pads = [width - r.scores.shape[1] for r in self.rankings]
+        if len(self.rankings) == 1:
+            self.ranking = self.rankings[0]  # one layer: its own ranking, sorted at most once
+        else:
+            self.ranking = Ranking(torch.cat([
+                torch.nn.functional.pad(r.scores.float(), (pad, 0), value=float("-inf"))
+                for r, pad in zip(self.rankings, self.pads)]))
+        self.lengths = torch.cat([n.to(torch.long).cpu().reshape(-1) for n in lengths])
+
+    def per_row(self, per_layer: Sequence[int] | Sequence[Sequence[int]]) -> torch.Tensor:
+        """[L·H] int64 from one value per layer (repeated over its heads) or one per head."""
+        rows = [[int(v)] * self.heads if isinstance(v, int) else [int(x) for x in v] for v in per_layer]
+        return torch.tensor([x for row in rows for x in row], dtype=torch.long)
+
+    def layer_rows(self, mask: torch.Tensor) -> list[torch.Tensor]:
+        """[L·H, N] -> per layer its [H, N_l] part (a view)."""
+        h = self.heads
+        return [mask[layer * h : (layer + 1) * h, pad:] for layer, pad in enumerate(self.pads)]
+
+    def split(self, mask: torch.Tensor) -> list[list[torch.Tensor]]:
+        """[L·H, N] host bool -> per layer, per head the ascending slots (in the layer's own
+        slots) where it is True. The layers' rankings take their rows of the stacked order if it
+        was sorted (the page rounding reads them next)."""
+        if len(self.rankings) > 1 and self.ranking._order is not None:
+            order = self.ranking.order.split(self.heads)  # each layer's rows, in the padded slots
+            for ranking, rows, pad in zip(self.rankings, order, self.pads):
+                # the padding slots rank after every live one (-inf, earlier): dropping them keeps the order
+                ranking._order = (rows[rows >= pad] - pad).view(self.heads, -1)
+        hit = torch.nonzero(mask)
+        row_pad = torch.tensor(self.pads, dtype=torch.long).repeat_interleave(self.heads)
+        slots = (hit[:, 1] - row_pad[hit[:, 0]]).contiguous()
+        rows = list(torch.split(slots, mask.sum(dim=1).tolist()))
+        return [rows[layer * self.heads : (layer + 1) * self.heads] for layer in range(len(self.rankings))]
+
+
 @dataclass
 class Selection:
     """Per KV head, the sorted unique slot indices to keep, plus optional compensation.
@@ -362,13 +406,13 @@ def window_logits(kv: LayerKV) -> torch.Tensor:
     hq, w, d = kv.queries.shape
     hk = kv.num_kv_heads
     acc = torch.float64 if kv.keys.dtype == torch.float64 else torch.float32
-    queries = kv.queries.to(acc).reshape(hk, hq // hk, w, d)  # query head i reads KV head i // group
-    logits = torch.einsum("kgwd,knd->kgwn", queries, kv.keys.to(acc)) * kv.softmax_scale
+    # query head i reads KV head i // group; scaled before the product (w·D values, not w·N)
+    queries = (kv.queries.to(acc) * kv.softmax_scale).reshape(hk, hq // hk * w, d)
+    logits = torch.matmul(queries, kv.keys.to(acc).transpose(1, 2)).view(hk, hq // hk, w, -1)  # [H_kv, G, w, N]
     # the causal mask is built where the logits are: positions [H_kv, N] travel, not the mask [H_kv, 1, w, N]
     key_pos = kv.slot_positions().to(logits.device).view(hk, 1, 1, -1)  # [H_kv, 1, 1, N]
     q_pos = kv.window_query_positions().to(logits.device).view(1, 1, -1, 1)  # [1, 1, w, 1]
-    visible = (key_pos >= 0) & (key_pos <= q_pos)
-    return logits.masked_fill(~visible, float("-inf")).reshape(hq, w, -1)
+    return logits.masked_fill_((key_pos < 0) | (key_pos > q_pos), float("-inf")).view(hq, w, -1)
 
 
 def window_attention(kv: LayerKV) -> torch.Tensor:
@@ -412,23 +456,40 @@ def protected_topk(
     return head_rows(protected_mask(scores, keep, lengths, sink, window))
 
 
+def protected_topk_layers(
+    rankings: Sequence[Ranking], budgets: Sequence[int] | Sequence[Sequence[int]], lengths: Sequence[torch.Tensor],
+    protected: Sequence[tuple[int, int]], *, quantum: tuple[int, int] | None = None,
+) -> list[list[torch.Tensor]]:
+    """:func:`protected_topk` of several layers in one pass (an :class:`Allocator`; ``quantum``
+    unused: the page rounding comes after)."""
+    if not rankings:
+        return []
+    rows = LayerRows(rankings, lengths)
+    sinks, windows = rows.per_row([s for s, _ in protected]), rows.per_row([w for _, w in protected])
+    return rows.split(protected_mask(rows.ranking, rows.per_row(budgets), rows.lengths, sinks, windows))
+
+
 def protected_mask(
     scores: torch.Tensor | Ranking,
-    keep: int | Sequence[int],
+    keep: int | Sequence[int] | torch.Tensor,
     lengths: torch.Tensor,
-    sink: int = 0,
-    window: int = 0,
+    sink: int | torch.Tensor = 0,
+    window: int | torch.Tensor = 0,
 ) -> torch.Tensor:
     """:func:`protected_topk` as a [H, N] host bool mask, every head at once (the scores are
-    ranked only when some head picks beyond its sink and window)."""
+    ranked only when some head picks beyond its sink and window); ``keep``, ``sink`` and
+    ``window`` one for every head or one per head."""
     ranking = Ranking.of(scores)
     num_heads, n = ranking.scores.shape
     lengths = lengths.to(torch.long).cpu()
-    keeps = torch.tensor([keep] * num_heads if isinstance(keep, int) else [int(k) for k in keep], dtype=torch.long)
+    if isinstance(keep, int):
+        keeps = torch.full((num_heads,), keep, dtype=torch.long)
+    else:
+        keeps = keep.to(torch.long).cpu() if isinstance(keep, torch.Tensor) else torch.tensor([int(k) for k in keep])
     k = torch.minimum(keeps.clamp(min=0), lengths)
     start = n - lengths
-    s = k.clamp(max=sink)
-    w = (k - s).clamp(max=window)
+    s = torch.minimum(k, torch.as_tensor(sink))
+    w = torch.minimum(k - s, torch.as_tensor(window))
     whole = k >= lengths
     rest = torch.where(whole, 0, k - s - w)
     slots = torch.arange(n).unsqueeze(0)
@@ -694,19 +755,22 @@ class Policy:
 
 
 class Allocator(Protocol):
-    """Kept slots per head (H sorted index tensors) from a [H, N] ranking: (ranking, budget,
-    lengths [H], sink, window, quantum = the engine's page grid or None)."""
+    """Kept slots of several layers at once: per layer its [H, N_l] ranking, budget, lengths [H]
+    and (sink, window), and the engine's page grid ``quantum`` (or None). Returns per layer H
+    sorted index tensors (:func:`protected_topk_layers`, ``wrappers.adaptive_topk_layers``)."""
 
-    def __call__(self, scores: Ranking, budget: int, lengths: torch.Tensor, sink: int, window: int, *,
-                 quantum: tuple[int, int] | None = None) -> list[torch.Tensor]: ...
+    def __call__(self, rankings: Sequence[Ranking], budgets: Sequence[int], lengths: Sequence[torch.Tensor],
+                 protected: Sequence[tuple[int, int]], *,
+                 quantum: tuple[int, int] | None = None) -> list[list[torch.Tensor]]: ...
 
 
 @dataclass
 class ScorePolicy(Policy):
     """A policy defined by a per-token score: keep sink + window + top scores, same count per head.
 
-    ``select_layer`` = :meth:`protected_for` -> :meth:`score` -> :meth:`allocate`; after the page
-    rounding :meth:`commit` (per layer) carries memory over; wrappers (``policies.wrappers``) reuse the same hooks with another allocation.
+    ``select`` = per layer :meth:`protected_for` and :meth:`score`, then one :meth:`allocate`
+    for every layer; after the page rounding :meth:`commit` (per layer) carries memory over;
+    wrappers (``policies.wrappers``) reuse the same hooks with another allocation.
     """
 
     def score(self, kv: LayerKV, state: RequestState) -> torch.Tensor:
@@ -723,12 +787,12 @@ class ScorePolicy(Policy):
         return self.protected()
 
     def allocate(
-        self, scores: Ranking, budget: int, lengths: torch.Tensor, sink: int, window: int,
-        quantum: tuple[int, int] | None = None,
-    ) -> list[torch.Tensor]:
-        """Kept slots per head from scores [H_kv, N]; default: the same ``budget`` for every head
-        (the engine's page grid ``quantum`` then rounds each up)."""
-        return protected_topk(scores, budget, lengths, sink, window)
+        self, rankings: Sequence[Ranking], budgets: Sequence[int], lengths: Sequence[torch.Tensor],
+        protected: Sequence[tuple[int, int]], *, quantum: tuple[int, int] | None = None,
+    ) -> list[list[torch.Tensor]]:
+        """Kept slots per layer and head (an :class:`Allocator`); default: the same budget for
+        every head of a layer (the engine's page grid then rounds each up)."""
+        return protected_topk_layers(rankings, budgets, lengths, protected)
 
     def commit(self, kv: LayerKV, state: RequestState, selection: Selection, chosen: list[torch.Tensor]) -> None:
         """Update one layer's per-slot policy state to the kept slots (default: nothing to carry).
@@ -753,39 +817,44 @@ class ScorePolicy(Policy):
     def budgets_on_pages(self) -> bool:
         return self.allocates_across_heads()  # an allocation across heads snaps their counts
 
-    def select_scored(self, kv: LayerKV, state: RequestState, budget: int, allocate: Allocator,
-                      across_heads: bool = False) -> Selection:
-        """One layer: protected region and scores of this policy, ``allocate``'s picks (rounded
-        up to the page grid by score, then committed, by :meth:`decide`). An allocation
-        ``across_heads`` sees every tensor-parallel rank's heads."""
-        lengths = kv.valid_lengths()
-        sink, window = self.protected_for(kv, state)
-        ranking = Ranking(self.score(kv, state).float())  # where the policy scored: allocations rank there
-        if across_heads and state.ranks.size > 1:
-            ranking = Ranking(ranking.scores.cpu())  # gathered over the ranks as host tensors
-            chosen = _allocate_over_ranks(state.ranks, allocate, ranking.scores, budget, lengths, sink, window,
-                                          state.page_quantum)
+    def select_scored(self, layers: Sequence[LayerKV], state: RequestState, budgets: Sequence[int],
+                      allocate: Allocator, across_heads: bool = False) -> list[Selection]:
+        """Per layer (``budgets[i]`` for ``layers[i]``): protected region and scores of this
+        policy, then ``allocate``'s picks for every layer in one call (rounded up to the page grid
+        by score, then committed, by :meth:`decide`). An allocation ``across_heads`` sees every
+        tensor-parallel rank's heads (then one layer at a time)."""
+        if not layers:
+            return []
+        lengths = [kv.valid_lengths() for kv in layers]
+        protected = [self.protected_for(kv, state) for kv in layers]
+        scores = [self.score(kv, state).float() for kv in layers]  # allocations rank where the policy scored
+        over_ranks = across_heads and state.ranks.size > 1
+        rankings = [Ranking(s.cpu() if over_ranks else s) for s in scores]  # gathered over the ranks on the host
+        if over_ranks:
+            chosen = [_allocate_over_ranks(state.ranks, allocate, *args, state.page_quantum)
+                      for args in zip(rankings, budgets, lengths, protected)]
         else:
-            chosen = allocate(ranking, budget, lengths, sink, window, quantum=state.page_quantum)
-        return Selection(chosen, priority=ranking)
+            chosen = allocate(rankings, budgets, lengths, protected, quantum=state.page_quantum)
+        return [Selection(picked, priority=ranking) for picked, ranking in zip(chosen, rankings)]
 
-    def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
-        if state.budget is None:
-            state.budget = self.target_budget(int(kv.valid_lengths().max()))
-        return self.select_scored(kv, state, state.budget, self.allocate, self.allocates_across_heads())
+    def select(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
+        if layers and state.budget is None:
+            state.budget = self.target_budget(int(layers[0].valid_lengths().max()))
+        return self.select_scored(layers, state, [state.budget] * len(layers), self.allocate,
+                                  self.allocates_across_heads())
 
 
-def _allocate_over_ranks(ranks: Ranks, allocate: Allocator, scores: torch.Tensor, budget: int,
-                         lengths: torch.Tensor, sink: int, window: int,
-                         quantum: tuple[int, int] | None) -> list[torch.Tensor]:
-    """``allocate`` over every rank's heads (scores right-aligned to a common width), then this
-    rank's part, back in its own slots."""
+def _allocate_over_ranks(ranks: Ranks, allocate: Allocator, ranking: Ranking, budget: int, lengths: torch.Tensor,
+                         protected: tuple[int, int], quantum: tuple[int, int] | None) -> list[torch.Tensor]:
+    """``allocate`` of one layer over every rank's heads (scores right-aligned to a common
+    width), then this rank's part, back in its own slots."""
+    scores = ranking.scores
     width = int(ranks.reduce(scores.shape[1], max))
     pad = width - scores.shape[1]
     padded = torch.nn.functional.pad(scores, (pad, 0), value=float("-inf"))
     everyone = ranks.cat_heads(padded)
     all_lengths = ranks.cat_heads(lengths.to(torch.long))
-    chosen = allocate(Ranking(everyone), budget, all_lengths, sink, window, quantum=quantum)
+    chosen = allocate([Ranking(everyone)], [budget], [all_lengths], [protected], quantum=quantum)[0]
     mine = chosen[ranks.rank * scores.shape[0] : (ranks.rank + 1) * scores.shape[0]]
     return [idx - pad for idx in mine]
 
@@ -878,6 +947,7 @@ __all__ = [
     "out_proj_heads",
     "page_count",
     "protected_topk",
+    "protected_topk_layers",
     "reduce_gqa",
     "round_to_pages",
     "visible_softmax",

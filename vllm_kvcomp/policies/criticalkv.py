@@ -36,7 +36,7 @@ One-shot after prefill.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -54,7 +54,7 @@ from vllm_kvcomp.policies.base import (
 )
 from vllm_kvcomp.policies.expected_attention import ExpectedAttention, expected_attention_scores
 from vllm_kvcomp.policies.snapkv import SnapKV
-from vllm_kvcomp.policies.wrappers import ADAPTIVE_FLOOR, HEADS_PARAMS, adaptive_topk
+from vllm_kvcomp.policies.wrappers import ADAPTIVE_FLOOR, HEADS_PARAMS, adaptive_topk_layers
 
 
 @dataclass
@@ -195,7 +195,7 @@ class CriticalKV(ScorePolicy):
         lengths = kv.valid_lengths()
         sink, window = self.protected()
         if self.heads == "adaptive":
-            pick = self.scorer.select_scored(kv, state, state.budget, adaptive_topk, across_heads=True)
+            pick = self.scorer.select_scored([kv], state, [state.budget], adaptive_topk_layers, across_heads=True)[0]
             inner, counts = pick.priority, pick.counts().tolist()  # its ranking: stage 1 reads its order
             safeguard = max(sink + window, math.ceil(ADAPTIVE_FLOOR * state.budget - 1e-9))
         else:
@@ -208,6 +208,10 @@ class CriticalKV(ScorePolicy):
     def score(self, kv: LayerKV, state: RequestState) -> torch.Tensor:
         """[H_kv, N] what the selection ranks by: +inf on the stage-1 picks, ``(s + ε) · n`` elsewhere."""
         return self._ranked(kv, state)[0]
+
+    def select(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
+        """Layer by layer: each layer's stage 1 needs its own counts before its scores exist."""
+        return [self.select_layer(kv, state) for kv in layers]
 
     def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
         scores, counts = self._ranked(kv, state)

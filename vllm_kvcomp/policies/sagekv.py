@@ -31,7 +31,7 @@ selection compressed nothing (prompt ≤ B), the first decode recompression make
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -114,10 +114,15 @@ class SageKV(ScorePolicy):
         top_attn = last.view(kv.num_kv_heads, group, -1).amax(dim=1)
         return (-best_rank + 0.5 * top_attn).cpu()
 
-    def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
+    def select(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
+        """The top-k by score (:meth:`ScorePolicy.select`) for layers not yet pinned; a pinned
+        layer keeps its pins and the recent window slides."""
+        fresh = [kv for kv in layers if state.layer(kv.layer, SageKVMemory).pinned is None]
+        picks = dict(zip((kv.layer for kv in fresh), super().select(fresh, state)))
+        return [picks[kv.layer] if kv.layer in picks else self._slide(kv, state) for kv in layers]
+
+    def _slide(self, kv: LayerKV, state: RequestState) -> Selection:
         memory = state.layer(kv.layer, SageKVMemory)
-        if memory.pinned is None:
-            return super().select_layer(kv, state)
         memory.sliding = memory.pinned.lookup(kv.slot_positions()) > 0
         chosen, priority = keep_pinned(kv, memory.sliding, memory.sink, int(state.budget or 0))
         return Selection(chosen, priority=priority)

@@ -24,16 +24,16 @@ import torch
 from vllm_kvcomp.params import Param, SpecError
 from vllm_kvcomp.policies.base import (
     LayerKV,
+    LayerRows,
     Policy,
     Ranking,
     RequestState,
     ScorePolicy,
     Selection,
-    head_rows,
     live_mask,
     page_count,
     protected_mask,
-    protected_topk,
+    protected_topk_layers,
     snap_to_pages,
 )
 
@@ -70,33 +70,58 @@ def adaptive_topk(
     On the engine's page grid ``quantum`` (block_size, residue) the floor is rounded up to it and
     the heads' counts move onto it with their sum kept (:func:`snap_to_pages`: a head drops its
     lowest picks or takes its next best), so the layer holds its total within one page instead of
-    up to a page more per head.
+    up to a page more per head. Several layers at once: :func:`adaptive_topk_layers`.
     """
-    ranking = Ranking.of(scores)
-    scores = ranking.scores
-    n = scores.shape[1]
-    lengths = lengths.to(torch.long).cpu()
-    total = min(budget * len(lengths), int(lengths.sum()))
-    base = min(budget, max(sink + window, math.ceil(floor * budget - 1e-9)))
+    return adaptive_topk_layers([Ranking.of(scores)], [budget], [lengths], [(sink, window)], floor=floor,
+                                quantum=quantum)[0]
+
+
+def adaptive_topk_layers(
+    rankings: Sequence[Ranking],
+    budgets: Sequence[int],
+    lengths: Sequence[torch.Tensor],
+    protected: Sequence[tuple[int, int]],
+    *,
+    floor: float = ADAPTIVE_FLOOR,
+    quantum: tuple[int, int] | None = None,
+) -> list[list[torch.Tensor]]:
+    """:func:`adaptive_topk` of every layer in one pass (an :class:`Allocator`): the layers'
+    heads as rows of one [L·H, N] ranking, each layer's global cut one row of an [L, H·N] sort.
+    The same picks as layer by layer (a layer's candidates keep their order and ties)."""
+    if not rankings:
+        return []
+    rows = LayerRows(rankings, lengths)
+    heads, n = rows.heads, rows.ranking.scores.shape[1]
+    scores = rows.ranking.scores
+    layer_lengths = [n_l.to(torch.long).cpu() for n_l in lengths]
+    totals = torch.tensor([min(int(b) * heads, int(n_l.sum())) for b, n_l in zip(budgets, layer_lengths)])
+    bases = []
+    for b, (s, w), ranking in zip(budgets, protected, rankings):
+        base = min(int(b), max(s + w, math.ceil(floor * int(b) - 1e-9)))
+        bases.append(page_count(base, ranking.scores.shape[1], quantum) if quantum is not None else base)
+    sinks, windows = rows.per_row([s for s, _ in protected]), rows.per_row([w for _, w in protected])
+    taken = protected_mask(rows.ranking, rows.per_row(bases), rows.lengths, sinks, windows)  # [L·H, N]
+    extra = totals - taken.view(len(rankings), -1).sum(1)
+    if bool((extra > 0).any()):
+        hidden = (~live_mask(rows.lengths, n) | taken).to(scores.device)
+        candidates = scores.float().masked_fill(hidden, float("-inf")).view(len(rankings), -1)  # ranked where the scores are
+        best = torch.sort(candidates, dim=1, descending=True, stable=True).indices.cpu()  # [L, H·N]
+        picked = torch.arange(heads * n).unsqueeze(0) < extra.clamp(min=0).unsqueeze(1)
+        taken.view(len(rankings), -1).scatter_(1, best, picked | taken.view(len(rankings), -1).gather(1, best))
     if quantum is not None:
-        base = page_count(base, n, quantum)
-    taken = protected_mask(ranking, base, lengths, sink, window)
-    extra = total - int(taken.sum())
-    if extra > 0:
-        hidden = (~live_mask(lengths, n) | taken).to(scores.device)
-        candidates = scores.float().masked_fill(hidden, float("-inf")).flatten()  # ranked where the scores are
-        best = torch.sort(candidates, descending=True, stable=True).indices[:extra].cpu()
-        taken.view(-1)[best] = True
-    if quantum is not None:
-        counts = taken.sum(1).tolist()
-        snapped = snap_to_pages(counts, quantum, lengths.tolist())
-        if snapped != counts:
-            taken = protected_mask(ranking, snapped, lengths, sink, window)
-    return head_rows(taken)
+        counts = taken.sum(1).view(len(rankings), heads).tolist()
+        snapped = [snap_to_pages(c, quantum, n_l.tolist()) for c, n_l in zip(counts, layer_lengths)]
+        moved = [layer for layer, (c, sn) in enumerate(zip(counts, snapped)) if c != sn]
+        if moved:  # those layers' heads re-picked at their snapped counts
+            again = protected_mask(rows.ranking, rows.per_row(snapped), rows.lengths, sinks, windows)
+            for layer, (mine, theirs) in enumerate(zip(rows.layer_rows(taken), rows.layer_rows(again))):
+                if layer in moved:
+                    mine.copy_(theirs)
+    return rows.split(taken)
 
 
 class HeadsChoice:
-    """Mixin for score policies with a ``heads`` field: ``adaptive`` allocates by :func:`adaptive_topk`."""
+    """Mixin for score policies with a ``heads`` field: ``adaptive`` allocates by :func:`adaptive_topk_layers`."""
 
     heads: str
 
@@ -104,12 +129,12 @@ class HeadsChoice:
         return self.heads == "adaptive"
 
     def allocate(
-        self, scores: Ranking, budget: int, lengths: torch.Tensor, sink: int, window: int,
-        quantum: tuple[int, int] | None = None,
-    ) -> list[torch.Tensor]:
+        self, rankings: Sequence[Ranking], budgets: Sequence[int], lengths: Sequence[torch.Tensor],
+        protected: Sequence[tuple[int, int]], *, quantum: tuple[int, int] | None = None,
+    ) -> list[list[torch.Tensor]]:
         if self.heads == "adaptive":
-            return adaptive_topk(scores, budget, lengths, sink, window, quantum=quantum)
-        return protected_topk(scores, budget, lengths, sink, window)
+            return adaptive_topk_layers(rankings, budgets, lengths, protected, quantum=quantum)
+        return protected_topk_layers(rankings, budgets, lengths, protected)
 
 
 @dataclass
@@ -159,10 +184,11 @@ class AdaptiveHeads(_Wrapper):
     def budgets_on_pages(self) -> bool:
         return True
 
-    def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
-        if state.budget is None:
-            state.budget = self.target_budget(int(kv.valid_lengths().max()))
-        return self.inner.select_scored(kv, state, state.budget, partial(adaptive_topk, floor=self.floor), True)
+    def select(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
+        if layers and state.budget is None:
+            state.budget = self.target_budget(int(layers[0].valid_lengths().max()))
+        return self.inner.select_scored(layers, state, [state.budget] * len(layers),
+                                        partial(adaptive_topk_layers, floor=self.floor), True)
 
 
 @dataclass
@@ -194,5 +220,5 @@ class LayerBudgets(_Wrapper):
             )
         if state.budget is None:
             state.budget = max(int(b) for b in self.budgets)
-        return [self.inner.select_scored(kv, state, int(self.budgets[kv.layer]), self.inner.allocate,
-                                         self.inner.allocates_across_heads()) for kv in layers]
+        return self.inner.select_scored(layers, state, [int(self.budgets[kv.layer]) for kv in layers],
+                                        self.inner.allocate, self.inner.allocates_across_heads())
