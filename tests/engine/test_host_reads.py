@@ -28,9 +28,11 @@ pytestmark = pytest.mark.engine
 PACKAGE = str(Path(vllm_kvcomp.__file__).parent)
 READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
 #: reads a step may make at its first layer: the rows of tracked requests (slot of each row's
-#: first token, row bounds), the trimmed rows' longest length for the parent kernel, and the
-#: compensation plan of all layers (which sequences have a token, their page counts)
-FIRST_LAYER_BOUND = 5
+#: first token, row bounds), the trimmed rows' longest length for the parent kernel, the
+#: compensation plan of all layers (which sequences have a token, their page counts), and the
+#: sequences' lengths per layer as planned on the host (layers with equal lengths share one
+#: kernel schedule)
+FIRST_LAYER_BOUND = 6
 
 
 class HostReads:

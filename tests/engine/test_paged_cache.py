@@ -163,3 +163,30 @@ def test_attend_virtual_sequences_equals_eq5(kind, device, queries, capped):
         plain = eq5(q[:1], *data[0], tuple(t[0] for t in comp))
         assert float((plain - out[:1].cpu().double()).abs().max()) > 1e-2
 
+
+@pytest.mark.vllm
+def test_calls_sharing_a_memo_make_the_cpu_schedule_once(monkeypatch):
+    """Layers whose sequences have the same lengths this step share one memo: vLLM's CPU
+    schedule is made by the first and reused by the others, with the same outputs as without."""
+    from vllm_kvcomp import vllm_compat
+
+    made = []
+    schedule = vllm_compat.cpu_attention_schedule
+    monkeypatch.setattr(vllm_compat, "cpu_attention_schedule", lambda **kw: made.append(1) or schedule(**kw))
+    cache = CpuPagedCache(buffer())
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.tensor([40, 9, 33])
+    pages = torch.randperm(cache.num_pages, generator=gen)[:9].view(3, 3)
+    for n, row in zip(lengths.tolist(), pages):
+        cells = torch.arange(n)
+        cache.write_cells(row[cells // BS], cells % BS, torch.randn(n, D, generator=gen), torch.randn(n, D, generator=gen))
+    starts, variant = torch.arange(4), AttentionVariant(SCALE)
+    queries = [torch.randn(3, GROUP, D, generator=gen) for _ in range(2)]  # two layers' decode queries
+    alone = [cache.attend(q, pages, lengths, starts, variant, None) for q in queries]
+    assert len(made) == 2
+    memo: dict[str, object] = {}
+    shared = [cache.attend(q, pages, lengths, starts, variant, None, memo) for q in queries]
+    assert len(made) == 3  # one more, for both calls
+    for a, b in zip(alone, shared):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+

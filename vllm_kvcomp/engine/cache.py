@@ -151,10 +151,13 @@ class PagedCache(ABC):
 
     @abstractmethod
     def attend(self, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, query_start: torch.Tensor,
-               variant: AttentionVariant, compensation: SequenceCompensation | None) -> torch.Tensor:
+               variant: AttentionVariant, compensation: SequenceCompensation | None,
+               memo: dict[str, object] | None = None) -> torch.Tensor:
         """Causal attention of virtual sequences: q [T, G, D] (sequence s owns query rows
         ``query_start[s]:query_start[s + 1]``, the last tokens of its ``lengths[s]``; sequences
-        ordered (request, KV head)), tables [S, W] page ids -> out [T, G, D] in q's dtype."""
+        ordered (request, KV head)), tables [S, W] page ids -> out [T, G, D] in q's dtype.
+        ``memo``: a dict the caller shares between calls with the same lengths and query rows
+        (the layers of one step that hold as much): what depends on them alone is made once."""
 
 
 class CpuPagedCache(PagedCache):
@@ -194,14 +197,20 @@ class CpuPagedCache(PagedCache):
         self.values[pages, offsets] = values.to(self.dtype)
 
     def attend(self, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, query_start: torch.Tensor,
-               variant: AttentionVariant, compensation: SequenceCompensation | None) -> torch.Tensor:
+               variant: AttentionVariant, compensation: SequenceCompensation | None,
+               memo: dict[str, object] | None = None) -> torch.Tensor:
+        """vLLM's kernel; its schedule (from the lengths and query rows alone) is kept in ``memo``."""
         q = q.contiguous()
         seq_lens, starts, table = lengths.to(torch.int32), query_start.to(torch.int32), tables.to(torch.int32)
-        schedule = vllm_compat.cpu_attention_schedule(
-            num_reqs=table.shape[0], num_heads=q.shape[1], num_kv_heads=1, head_dim=self.head_dim,
-            seq_lens=seq_lens, dtype=q.dtype, query_start_loc=starts, causal=True, sliding_window_size=-1,
-            isa=self.isa, dynamic_causal=None, kv_cache_dtype="auto",
-        )
+        schedule = None if memo is None else memo.get("schedule")
+        if schedule is None:
+            schedule = vllm_compat.cpu_attention_schedule(
+                num_reqs=table.shape[0], num_heads=q.shape[1], num_kv_heads=1, head_dim=self.head_dim,
+                seq_lens=seq_lens, dtype=q.dtype, query_start_loc=starts, causal=True, sliding_window_size=-1,
+                isa=self.isa, dynamic_causal=None, kv_cache_dtype="auto",
+            )
+            if memo is not None:
+                memo["schedule"] = schedule
         out = torch.empty_like(q)
         vllm_compat.cpu_paged_attention(
             query=q, key_cache=self.kernel_keys, value_cache=self.kernel_values, output=out, query_start_loc=starts,
@@ -283,8 +292,9 @@ class CudaPagedCache(PagedCache):
             rows.index_copy_(0, dst, rows.index_select(0, src))
 
     def attend(self, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, query_start: torch.Tensor,
-               variant: AttentionVariant, compensation: SequenceCompensation | None) -> torch.Tensor:
-        """One ``decode_attention`` launch: a sequence with T queries becomes T one-query
+               variant: AttentionVariant, compensation: SequenceCompensation | None,
+               memo: dict[str, object] | None = None) -> torch.Tensor:
+        """One ``decode_attention`` launch (nothing to share between layers: ``memo`` unused): a sequence with T queries becomes T one-query
         sequences whose lengths end at each query's causal limit."""
         from vllm_kvcomp import kernels
 

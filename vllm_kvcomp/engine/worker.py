@@ -65,6 +65,7 @@ class PagedBatch:
     # or the slice it equals when contiguous (one query per row, adjacent rows: a view, no copy)
     requests: list[CompressedRequest]
     compensation: list[SequenceCompensation | None]  # per layer; None: no sequence has a token
+    memos: list[dict[str, object]]  # per layer; one dict shared by the layers with equal lengths (PagedCache.attend)
 
 
 def _contiguous(rows: list[Row], heads: int) -> slice | None:
@@ -237,7 +238,8 @@ class KVCompWorker:
             group = query.shape[1] // self.num_kv_heads
             flat_q, flat_out = query.reshape(-1, group, query.shape[2]), output.view(-1, group, output.shape[2])
             out = self.cache.attend(flat_q[batch.gather], batch.tables[layer], batch.lengths[layer],
-                                    batch.query_start, self.variants[layer], batch.compensation[layer])
+                                    batch.query_start, self.variants[layer], batch.compensation[layer],
+                                    batch.memos[layer])
             flat_out[batch.gather] = out.to(output.dtype)
 
     def _paged_batch(self, rows: list[Row]) -> PagedBatch:
@@ -262,6 +264,8 @@ class KVCompWorker:
         device = self.cache.device
         empty = torch.zeros(self.num_layers, 0, dtype=torch.long)
         all_lengths = torch.cat(lengths, dim=1) if lengths else empty  # [L, S]
+        by_lengths: dict[tuple[int, ...], dict[str, object]] = {}
+        memos = [by_lengths.setdefault(tuple(row), {}) for row in all_lengths.tolist()]
         return PagedBatch(
             tables=(torch.cat(padded, dim=1) if padded else empty.unsqueeze(-1)).to(device, torch.int32),
             lengths=all_lengths.to(device, torch.int32),
@@ -269,6 +273,7 @@ class KVCompWorker:
             gather=contiguous or (torch.cat(gather) if gather else torch.zeros(0, dtype=torch.long)).to(device),
             requests=requests,
             compensation=self._compensation(requests, counts, all_lengths),
+            memos=memos,
         )
 
     def _compensation(self, requests: list[CompressedRequest], query_rows: list[int],
