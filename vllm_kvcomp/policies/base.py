@@ -134,6 +134,14 @@ class Ranking:
             self._order = ranked_slots(self.scores)
         return self._order
 
+    @property
+    def is_sorted(self) -> bool:
+        return self._order is not None
+
+    def take_order(self, order: torch.Tensor) -> None:
+        """Use ``order`` [H, N]: these rows sorted elsewhere (as part of a stacked ranking)."""
+        self._order = order
+
 
 class LayerRows:
     """Several layers' [H, N_l] rankings as one [L·H, N] :class:`Ranking` (N = the widest layer;
@@ -167,11 +175,11 @@ class LayerRows:
         """[L·H, N] host bool -> per layer, per head the ascending slots (in the layer's own
         slots) where it is True. The layers' rankings take their rows of the stacked order if it
         was sorted (the page rounding reads them next)."""
-        if len(self.rankings) > 1 and self.ranking._order is not None:
+        if len(self.rankings) > 1 and self.ranking.is_sorted:
             order = self.ranking.order.split(self.heads)  # each layer's rows, in the padded slots
             for ranking, rows, pad in zip(self.rankings, order, self.pads):
                 # the padding slots rank after every live one (-inf, earlier): dropping them keeps the order
-                ranking._order = (rows[rows >= pad] - pad).view(self.heads, -1)
+                ranking.take_order((rows[rows >= pad] - pad).view(self.heads, -1))
         hit = torch.nonzero(mask)
         row_pad = torch.tensor(self.pads, dtype=torch.long).repeat_interleave(self.heads)
         slots = (hit[:, 1] - row_pad[hit[:, 0]]).contiguous()
