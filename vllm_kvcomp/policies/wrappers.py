@@ -91,32 +91,31 @@ def adaptive_topk_layers(
     if not rankings:
         return []
     rows = LayerRows(rankings, lengths)
-    heads, n = rows.heads, rows.ranking.scores.shape[1]
+    heads, n, layers = rows.heads, rows.ranking.scores.shape[1], len(rankings)
     scores = rows.ranking.scores
-    layer_lengths = [n_l.to(torch.long).cpu() for n_l in lengths]
-    totals = torch.tensor([min(int(b) * heads, int(n_l.sum())) for b, n_l in zip(budgets, layer_lengths)])
+    layer_lengths = rows.lengths.view(layers, heads)
+    totals = torch.minimum(torch.tensor([int(b) * heads for b in budgets]), layer_lengths.sum(1))
     bases = []
     for b, (s, w), ranking in zip(budgets, protected, rankings):
         base = min(int(b), max(s + w, math.ceil(floor * int(b) - 1e-9)))
         bases.append(page_count(base, ranking.scores.shape[1], quantum) if quantum is not None else base)
     sinks, windows = rows.per_row([s for s, _ in protected]), rows.per_row([w for _, w in protected])
     taken = protected_mask(rows.ranking, rows.per_row(bases), rows.lengths, sinks, windows)  # [L·H, N]
-    extra = totals - taken.view(len(rankings), -1).sum(1)
+    extra = totals - taken.view(layers, -1).sum(1)
     if bool((extra > 0).any()):
         hidden = (~live_mask(rows.lengths, n) | taken).to(scores.device)
-        candidates = scores.float().masked_fill(hidden, float("-inf")).view(len(rankings), -1)  # ranked where the scores are
+        candidates = scores.float().masked_fill(hidden, float("-inf")).view(layers, -1)  # ranked where the scores are
         best = torch.sort(candidates, dim=1, descending=True, stable=True).indices.cpu()  # [L, H·N]
-        picked = torch.arange(heads * n).unsqueeze(0) < extra.clamp(min=0).unsqueeze(1)
-        taken.view(len(rankings), -1).scatter_(1, best, picked | taken.view(len(rankings), -1).gather(1, best))
+        picked = torch.arange(heads * n).unsqueeze(0) < extra.clamp(min=0).unsqueeze(1)  # each layer's first `extra`
+        taken.view(layers, -1).logical_or_(torch.zeros_like(picked).scatter_(1, best, picked))
     if quantum is not None:
-        counts = taken.sum(1).view(len(rankings), heads).tolist()
-        snapped = [snap_to_pages(c, quantum, n_l.tolist()) for c, n_l in zip(counts, layer_lengths)]
+        counts = taken.sum(1).view(layers, heads).tolist()
+        snapped = [snap_to_pages(c, quantum, n_l) for c, n_l in zip(counts, layer_lengths.tolist())]
         moved = [layer for layer, (c, sn) in enumerate(zip(counts, snapped)) if c != sn]
         if moved:  # those layers' heads re-picked at their snapped counts
-            again = protected_mask(rows.ranking, rows.per_row(snapped), rows.lengths, sinks, windows)
-            for layer, (mine, theirs) in enumerate(zip(rows.layer_rows(taken), rows.layer_rows(again))):
-                if layer in moved:
-                    mine.copy_(theirs)
+            again = rows.layer_rows(protected_mask(rows.ranking, rows.per_row(snapped), rows.lengths, sinks, windows))
+            for layer in moved:
+                rows.layer_rows(taken)[layer].copy_(again[layer])
     return rows.split(taken)
 
 
