@@ -84,6 +84,29 @@ def test_same_window_twice_adds_nothing():
     assert torch.allclose(state.layer(0, H2OMemory).acc.values, before)
 
 
+def test_a_recompression_attends_only_the_queries_not_yet_counted(monkeypatch):
+    """Decode recompressions count ``interval`` new queries of a ``window`` the engine captures:
+    the window attention is computed for those alone (half the work at the defaults)."""
+    from vllm_kvcomp.policies import h2o
+
+    attended = []
+    real = h2o.window_attention
+    monkeypatch.setattr(h2o, "window_attention", lambda kv: attended.append(kv.window_query_positions().tolist()) or real(kv))
+    gen = torch.Generator().manual_seed(2)
+    policy = H2O(budget=8, window=4, interval=2)
+    keys, values = torch.randn(1, 20, 4, generator=gen), torch.randn(1, 20, 4, generator=gen)
+    queries = torch.randn(2, 22, 4, generator=gen)
+    state = RequestState()
+    kv = LayerKV(keys, values, queries=queries[:, 16:20], query_positions=torch.arange(16, 20))
+    idx = policy.decide([kv], state)[0].indices[0]
+    grown = LayerKV(torch.cat([keys[:, idx], torch.randn(1, 2, 4, generator=gen)], 1),
+                    torch.cat([values[:, idx], torch.randn(1, 2, 4, generator=gen)], 1),
+                    positions=torch.cat([idx, torch.arange(20, 22)]).unsqueeze(0),
+                    queries=queries[:, 18:22], query_positions=torch.arange(18, 22))
+    policy.decide([grown], state)
+    assert attended == [[16, 17, 18, 19], [20, 21]]
+
+
 def _one_hot(positions: list[int], probs: list[float], query_pos: int, dim: int = 8) -> LayerKV:
     """One KV head holding the tokens at ``positions`` (key of position p = e_p) and one window
     query at ``query_pos`` whose attention over them is exactly ``probs`` (scale 1)."""

@@ -29,7 +29,7 @@ Deliberate choices (issue #17, pinned in ``tests/policies/test_h2o.py``):
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
@@ -82,7 +82,9 @@ class H2O(HeadsChoice, ScorePolicy):
         query_pos = kv.window_query_positions()
         fresh = query_pos > counted
         if bool(fresh.any()):
-            probs = window_attention(kv)[:, fresh.to(device)].sum(dim=1)  # [H_q, N]
+            # only the fresh queries attend (a decode recompression counts `interval` of the window)
+            fresh_kv = replace(kv, queries=kv.queries[:, fresh.to(kv.queries.device)], query_positions=query_pos[fresh])
+            probs = window_attention(fresh_kv).sum(dim=1)  # [H_q, N]
             acc = acc + reduce_gqa(probs, kv.num_kv_heads).float()
             counted = int(query_pos.max())
         memory.pending = (acc, counted)
