@@ -114,8 +114,9 @@ def adaptive_topk_layers(
         moved = [layer for layer, (c, sn) in enumerate(zip(counts, snapped)) if c != sn]
         if moved:  # those layers' heads re-picked at their snapped counts
             again = rows.layer_rows(protected_mask(rows.ranking, rows.per_row(snapped), rows.lengths, sinks, windows))
+            mine = rows.layer_rows(taken)
             for layer in moved:
-                rows.layer_rows(taken)[layer].copy_(again[layer])
+                mine[layer].copy_(again[layer])
     return rows.split(taken)
 
 
