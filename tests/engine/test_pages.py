@@ -109,3 +109,28 @@ def test_counts_off_the_page_grid_are_refused():
     kept = [[torch.arange(2) for _ in range(H)] for _ in range(L)]  # 2 is not ≡ 1 (mod 4)
     with pytest.raises(ValueError, match="mod"):
         req.pages.compact(kept, torch.tensor(req.blocks), req.length)
+
+
+def test_each_head_packs_into_its_own_pages_first():
+    """Equal counts: every head's packed pages are its own page of each packed block, in block
+    order (the stride vLLM's kernel reads for an uncompressed request). Unequal counts: a head
+    within K keeps to its own pages, the others take the pages left over, none twice."""
+    req = SimRequest(2)
+    req.append(12 * BS + 1)
+    kept = [[torch.arange(3 * BS + 1) for _ in range(H)] for _ in range(L)]  # 3 pages per head
+    _, pages = req.pages.compact(kept, torch.tensor(req.blocks), req.length)
+    own = req.geometry.page_ids(torch.tensor(req.blocks[12 - 3 : 12]))  # [L, H, 3]
+    assert torch.equal(pages.packed, own)
+
+    req = SimRequest(3)
+    req.append(12 * BS + 1)
+    counts = [[1, 5], [3, 0], [2, 4]]  # 15 pages: K = ceil(15 / 6) = 3 blocks
+    kept = [[torch.arange(c * BS + 1) for c in row] for row in counts]
+    _, pages = req.pages.compact(kept, torch.tensor(req.blocks), req.length)
+    own = req.geometry.page_ids(torch.tensor(req.blocks[12 - 3 : 12]))
+    used = [p for layer in range(L) for head in range(H) for p in pages.packed[layer, head, : counts[layer][head]].tolist()]
+    assert len(used) == len(set(used)) == 15 and set(used) <= set(own.flatten().tolist())
+    for layer in range(L):
+        for head in range(H):
+            c = counts[layer][head]
+            assert pages.packed[layer, head, : min(c, 3)].tolist() == own[layer, head, : min(c, 3)].tolist()

@@ -154,9 +154,7 @@ class RequestPages:
         if destination is not None and len(destination) != needed:
             raise ValueError(f"{needed} destination blocks needed, {len(destination)} given")
         targets = block_ids[first:growth] if destination is None else torch.as_tensor(destination, dtype=torch.long)
-        free = g.page_ids(targets).permute(2, 0, 1).reshape(-1)  # block-major
-        offsets = torch.cumsum(pages.flatten(), 0) - pages.flatten()
-        packed = torch.full((*pages.shape, int(pages.max()) if pages.numel() else 0), NO_PAGE, dtype=torch.long)
+        packed = assign_pages(g.page_ids(targets), pages)
         old_tables, lengths = self.tables(block_ids, end), self.lengths(end)
         growth_pages = g.page_ids(block_ids[growth : growth + 1]) if residue else None
         moves, positions = [], []
@@ -164,8 +162,6 @@ class RequestPages:
             positions.append([])
             for head, idx in enumerate(heads):
                 m = int(pages[layer, head])
-                start = int(offsets[layer * g.num_kv_heads + head])
-                packed[layer, head, :m] = free[start : start + m]
                 own = packed[layer, head, :m] if growth_pages is None else torch.cat(
                     [packed[layer, head, :m], growth_pages[layer, head]])
                 idx = torch.as_tensor(idx, dtype=torch.long)
@@ -176,3 +172,23 @@ class RequestPages:
         moved = (move.src_pages != move.dst_pages) | (move.src_offsets != move.dst_offsets)
         move = Move(move.src_pages[moved], move.src_offsets[moved], move.dst_pages[moved], move.dst_offsets[moved])
         return move, RequestPages(g, packed, pages, positions, tail_col=growth, first_live_col=first)
+
+
+def assign_pages(own: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """[L, H, max count] packed page ids (``NO_PAGE`` past each count) of heads that need
+    ``counts`` [L, H] pages, from the K blocks whose pages ``own`` [L, H, K] are (sum of counts
+    <= L * H * K). Each head fills its own page of those blocks first, in block order (the
+    layout vLLM's kernel reads for an uncompressed request: one stride through the head's own
+    slots, not a jump between layers per page); a head that needs more than K takes the pages
+    other heads leave, in (layer, head, block) order."""
+    k = own.shape[2]
+    width = int(counts.max()) if counts.numel() else 0
+    mine = torch.arange(k) < counts.unsqueeze(-1)  # [L, H, K] own pages in use
+    packed = torch.full((*counts.shape, width), NO_PAGE, dtype=torch.long)
+    packed[..., :k] = torch.where(mine, own, NO_PAGE)[..., :width]
+    extra = (counts - k).clamp(min=0)  # [L, H] pages beyond the head's own
+    wanted = torch.arange(width - k) < extra.unsqueeze(-1) if width > k else None
+    if wanted is not None and bool(wanted.any()):
+        tail = packed[..., k:]
+        tail[wanted] = own[~mine][: int(extra.sum())]
+    return packed
