@@ -85,6 +85,9 @@ def test_virtual_sequences_hold_what_was_kept_through_compressions_and_decode(se
     for _ in range(4):
         req.compress()
         assert req.read() == req.expected
+        lengths = req.pages.lengths(req.length)  # cells hold their own positions: so must positions()
+        assert [[req.pages.positions(layer, head, int(lengths[layer, head])).tolist() for head in range(H)]
+                for layer in range(L)] == req.expected
         for _ in range(req.rng.randrange(1, 3 * BS)):
             req.append(1)
             assert req.read() == req.expected

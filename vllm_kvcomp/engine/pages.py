@@ -155,23 +155,47 @@ class RequestPages:
             raise ValueError(f"{needed} destination blocks needed, {len(destination)} given")
         targets = block_ids[first:growth] if destination is None else torch.as_tensor(destination, dtype=torch.long)
         packed = assign_pages(g.page_ids(targets), pages)
-        old_tables, lengths = self.tables(block_ids, end), self.lengths(end)
-        growth_pages = g.page_ids(block_ids[growth : growth + 1]) if residue else None
-        moves, positions = [], []
-        for layer, heads in enumerate(kept):
-            positions.append([])
-            for head, idx in enumerate(heads):
-                m = int(pages[layer, head])
-                own = packed[layer, head, :m] if growth_pages is None else torch.cat(
-                    [packed[layer, head, :m], growth_pages[layer, head]])
-                idx = torch.as_tensor(idx, dtype=torch.long)
-                dst = torch.arange(idx.numel())
-                moves.append((old_tables[layer, head, idx // bs], idx % bs, own[dst // bs], dst % bs))
-                positions[layer].append(self.positions(layer, head, int(lengths[layer, head]))[idx])
-        move = Move(*(torch.cat([m[i] for m in moves]) for i in range(4)))
+        heads = g.num_layers * g.num_kv_heads
+        counts = torch.tensor([len(idx) for layer in kept for idx in layer], dtype=torch.long)  # [L*H]
+        idx = torch.cat([torch.as_tensor(i, dtype=torch.long) for layer in kept for i in layer])  # kept, head-major
+        own = torch.nn.functional.pad(packed, (0, 1), value=NO_PAGE).view(heads, -1)  # [L*H, M+1]
+        if residue:  # the last `residue` kept cells stay in the head's page of block `growth`
+            own.scatter_(1, pages.view(heads, 1), g.page_ids(block_ids[growth : growth + 1]).view(heads, 1))
+        old_tables = self.tables(block_ids, end).view(heads, -1)
+        held, kept_start, tail_start = self._held_positions()
+        first_kept = torch.cumsum(counts, 0) - counts
+        rows = torch.arange(heads)
+        # every per-head quantity repeated for each of the head's kept cells, in one pass: [6, n]
+        per_cell = torch.repeat_interleave(torch.stack([
+            rows * old_tables.shape[1], rows * own.shape[1], first_kept, held, kept_start, tail_start]), counts, dim=1)
+        table_row, own_row, head_first, held, kept_start, tail_start = per_cell
+        dst = torch.arange(idx.numel()) - head_first  # each kept cell's index in its head's new sequence
+        move = Move(old_tables.view(-1)[table_row + idx // bs], idx % bs, own.view(-1)[own_row + dst // bs], dst % bs)
+        in_kept = idx < held
+        kept_at = self._kept_flat()[torch.where(in_kept, kept_start + idx, 0)]
+        split = torch.split(torch.where(in_kept, kept_at, tail_start + idx - held), counts.tolist())
+        positions = [list(split[layer * g.num_kv_heads : (layer + 1) * g.num_kv_heads]) for layer in range(g.num_layers)]
         moved = (move.src_pages != move.dst_pages) | (move.src_offsets != move.dst_offsets)
         move = Move(move.src_pages[moved], move.src_offsets[moved], move.dst_pages[moved], move.dst_offsets[moved])
         return move, RequestPages(g, packed, pages, positions, tail_col=growth, first_live_col=first)
+
+    def _held_positions(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per head [L*H]: how many kept positions it holds (the first of its virtual sequence),
+        where they start in :meth:`_kept_flat`, and the logical position of its first tail cell
+        (:meth:`positions`, every head at once; nothing kept yet: 0, 0, 0)."""
+        heads = self.geometry.num_layers * self.geometry.num_kv_heads
+        if self.kept_positions is None:
+            zero = torch.zeros(heads, dtype=torch.long)
+            return zero, zero, zero
+        held = torch.tensor([len(p) for layer in self.kept_positions for p in layer], dtype=torch.long)
+        tail = self.tail_col * self.geometry.block_size + held - self.counts.flatten() * self.geometry.block_size
+        return held, torch.cumsum(held, 0) - held, tail
+
+    def _kept_flat(self) -> torch.Tensor:
+        """Every head's kept positions, head-major, in one tensor (one 0 when none)."""
+        if self.kept_positions is None:
+            return torch.zeros(1, dtype=torch.long)
+        return torch.cat([p for layer in self.kept_positions for p in layer] + [torch.zeros(1, dtype=torch.long)])
 
 
 def assign_pages(own: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
