@@ -168,12 +168,12 @@ class RequestPages:
         # every per-head quantity repeated for each of the head's kept cells, in one pass: [6, n]
         per_cell = torch.repeat_interleave(torch.stack([
             rows * old_tables.shape[1], rows * own.shape[1], first_kept, held, kept_start, tail_start]), counts, dim=1)
-        table_row, own_row, head_first, held, kept_start, tail_start = per_cell
-        dst = torch.arange(idx.numel()) - head_first  # each kept cell's index in its head's new sequence
+        table_row, own_row, cell_first, cell_held, cell_kept_start, cell_tail_start = per_cell
+        dst = torch.arange(idx.numel()) - cell_first  # each kept cell's index in its head's new sequence
         move = Move(old_tables.view(-1)[table_row + idx // bs], idx % bs, own.view(-1)[own_row + dst // bs], dst % bs)
-        in_kept = idx < held
-        kept_at = self._kept_flat()[torch.where(in_kept, kept_start + idx, 0)]
-        split = torch.split(torch.where(in_kept, kept_at, tail_start + idx - held), counts.tolist())
+        in_kept = idx < cell_held  # the cell was kept before; else it is in the tail
+        kept_at = self._kept_flat()[torch.where(in_kept, cell_kept_start + idx, 0)]
+        split = torch.split(torch.where(in_kept, kept_at, cell_tail_start + idx - cell_held), counts.tolist())
         positions = [list(split[layer * g.num_kv_heads : (layer + 1) * g.num_kv_heads]) for layer in range(g.num_layers)]
         moved = (move.src_pages != move.dst_pages) | (move.src_offsets != move.dst_offsets)
         move = Move(move.src_pages[moved], move.src_offsets[moved], move.dst_pages[moved], move.dst_offsets[moved])
