@@ -54,6 +54,57 @@ def test_query_window_rolls_back_rejected_drafts_without_losing_confirmed_querie
     assert window.queries is None and window.positions is None and window.end == 5
 
 
+class _ListWindow:
+    """The window's contract stated plainly: a list of (position, query) rows."""
+
+    def __init__(self, size: int, limit: int | None):
+        self.size, self.limit, self.rows, self.end = size, limit, [], 0
+
+    def truncate(self, end: int) -> None:
+        self.rows = [r for r in self.rows if r[0] < end]
+        self.end = min(self.end, end)
+
+    def push(self, queries: torch.Tensor, start: int, drafts: int) -> None:
+        self.truncate(start)
+        n = queries.shape[0] if self.limit is None else min(queries.shape[0], self.limit - start)
+        if n <= 0:
+            return
+        if start != self.end:
+            self.rows = []
+        self.rows = (self.rows + [(start + i, queries[i]) for i in range(n)])[-(self.size + drafts) :]
+        self.end = start + n
+
+
+@pytest.mark.parametrize("size,limit", [(1, None), (4, None), (16, None), (4, 40)])
+def test_query_window_buffer_holds_what_a_plain_list_holds(size, limit):
+    """Random prefill chunks, decode steps, speculative drafts and rollbacks, and gaps: the
+    preallocated buffer (rows moved to its front when full) reads like the plain list, and a
+    push never aliases the caller's tensor."""
+    rng = torch.Generator().manual_seed(size)
+    window, reference = QueryWindow(size, limit), _ListWindow(size, limit)
+    for _ in range(300):
+        action = int(torch.randint(0, 10, (1,), generator=rng))
+        if action == 0:
+            end = max(0, window.end - int(torch.randint(0, 4, (1,), generator=rng)))
+            window.truncate(end)
+            reference.truncate(end)
+        else:
+            n = int(torch.randint(1, 40, (1,), generator=rng)) if action == 1 else 1 + (action == 2) * 3
+            drafts = min(n - 1, 3) if action == 2 else 0
+            start = window.end + (5 if action == 3 else 0)  # a gap: starts over
+            queries = torch.randn(n, 2, 3, generator=rng)
+            window.push(queries, start, drafts)
+            reference.push(queries.clone(), start, drafts)
+            queries.zero_()
+        assert window.end == reference.end
+        want = reference.rows[-size:]
+        if not want:
+            assert window.queries is None and window.positions is None
+        else:
+            assert window.positions.tolist() == [p for p, _ in want]
+            torch.testing.assert_close(window.queries, torch.stack([q for _, q in want]))
+
+
 def test_streamed_chunks_stay_in_prefill():
     life = Lifecycle()
     life.compressed()  # prefill=stream: a chunk compressed before the prompt is complete

@@ -19,55 +19,81 @@ class QueryWindow:
     context's own). Queries of draft tokens a speculative step may still reject are held beyond
     the ``size`` (rolled back with :meth:`truncate`), so a rejection never shortens the window.
     Held positions are consecutive, ending at ``end``; bookkeeping stays on the host (no reads of
-    device tensors: it runs inside every layer)."""
+    device tensors: it runs inside every layer).
+
+    The rows live in a preallocated buffer, held at ``[_start, _stop)``: a decode step's push is
+    one copy into the next free rows; when the buffer is full, the rows still wanted move to its
+    front (one copy per ``size`` pushes). :attr:`queries` is a view of it, valid until the next
+    push (the engine reads it at once, inside a compression)."""
 
     size: int
     limit: int | None = None
-    _queries: torch.Tensor | None = None  # [size + drafts, H_q, D], positions end - held .. end - 1
     end: int = 0  # one past the last held position
+    _buffer: torch.Tensor | None = None  # [capacity, H_q, D]
+    _start: int = 0
+    _stop: int = 0
+
+    @property
+    def held(self) -> int:
+        return self._stop - self._start
 
     @property
     def queries(self) -> torch.Tensor | None:
-        return None if self._queries is None else self._queries[-self.size :]
+        if not self.held:
+            return None
+        return self._buffer[max(self._start, self._stop - self.size) : self._stop]
 
     @property
     def positions(self) -> torch.Tensor | None:
         """[w] int64 positions of :attr:`queries` (consecutive, ending at ``end``; made on read)."""
-        if self._queries is None:
+        if not self.held:
             return None
-        held = min(self.size, self._queries.shape[0])
-        return torch.arange(self.end - held, self.end)
+        return torch.arange(self.end - min(self.size, self.held), self.end)
 
     def push(self, queries: torch.Tensor, start: int, drafts: int = 0) -> None:
         """Append queries [n, H_q, D] of positions ``start..start+n-1``, the last ``drafts`` of
         them draft tokens; held queries at or after ``start`` are dropped first (a speculative
         step's rejected drafts, computed again)."""
+        n, buffer, keep = queries.shape[0], self._buffer, self.size + drafts
+        if (start == self.end and buffer is not None and n <= keep <= buffer.shape[0] - self._stop
+                and (self.limit is None or start + n <= self.limit)):  # a decode step: one copy
+            buffer[self._stop : self._stop + n] = queries
+            self._stop += n
+            self._start = max(self._start, self._stop - keep)
+            self.end += n
+            return
         if self.size <= 0:
             return
         self.truncate(start)
-        n = queries.shape[0]
         if self.limit is not None:
             if start >= self.limit:
                 return
             n = min(n, self.limit - start)
             queries = queries[:n]
-        if self._queries is not None and start != self.end:  # not consecutive: start over
-            self._queries = None
-        keep = self.size + drafts
-        queries = queries[-keep:]  # a view of vLLM's buffer
-        if self._queries is not None:
-            queries = torch.cat([self._queries, queries])[-keep:]  # a new tensor of ours (<= 2 keep rows)
-        else:
-            queries = queries.clone()
-        self._queries, self.end = queries, start + n
+        if start != self.end:  # not consecutive: start over
+            self._start = self._stop = 0
+        new = queries[-keep:]  # a view of vLLM's buffer, copied below
+        carried = min(self.held, keep - new.shape[0])  # held rows still wanted after this push
+        if buffer is None or buffer.shape[0] < keep or buffer.shape[1:] != new.shape[1:] \
+                or buffer.dtype != new.dtype or buffer.device != new.device:
+            buffer = new.new_empty((2 * keep, *new.shape[1:]))
+            if carried:
+                buffer[:carried] = self._buffer[self._stop - carried : self._stop]
+            self._buffer, self._start, self._stop = buffer, 0, carried
+        elif self._stop + new.shape[0] > buffer.shape[0]:  # full: the wanted rows to the front
+            buffer[:carried] = buffer[self._stop - carried : self._stop].clone()
+            self._start, self._stop = 0, carried
+        buffer[self._stop : self._stop + new.shape[0]] = new
+        self._stop += new.shape[0]
+        self._start = self._stop - min(keep, self._stop - self._start)
+        self.end = start + n
 
     def truncate(self, end: int) -> None:
         """Forget the queries of positions ``>= end`` (tokens the engine rolled back)."""
-        if self._queries is None or self.end <= end:
+        if self.end <= end:
             return
-        held = self._queries.shape[0] - (self.end - end)
+        self._stop = max(self._start, self._stop - (self.end - end))
         self.end = end
-        self._queries = self._queries[:held] if held > 0 else None
 
 
 @dataclass

@@ -55,6 +55,18 @@ class Row:
 
 
 @dataclass
+class Capture:
+    """A row whose query tokens ``[lo, hi)`` (positions from ``start``, the last ``drafts`` of
+    them draft tokens) every layer pushes into its request's window of that layer."""
+
+    windows: list[QueryWindow]
+    lo: int
+    hi: int
+    start: int
+    drafts: int
+
+
+@dataclass
 class PagedBatch:
     """This step's virtual sequences of compressed rows, sequence s = (row, head) in row order."""
 
@@ -92,6 +104,7 @@ class KVCompWorker:
         self.step: dict[str, ScheduledRequest] = {}
         self._slot_to_req: dict[int, str] = {}
         self._rows: list[Row] | None = None
+        self._captures: list[Capture] | None = None
         self._batch: PagedBatch | None = None
         self.trimmed: list[tuple[object, object]] = []  # this step's (vLLM metadata, its trimmed copy)
         self._report = WorkerReport()
@@ -153,6 +166,7 @@ class KVCompWorker:
         self.step = {r.req_id: r for r in meta.requests}
         self._slot_to_req = {r.first_slot: r.req_id for r in meta.requests}
         self._rows = None
+        self._captures = None
         self._batch = None
         self.trimmed = []
         for r in meta.requests:
@@ -225,12 +239,10 @@ class KVCompWorker:
         if not self.step or layer is None:  # another KV-cache group's layer (e.g. sliding window)
             return
         rows = self.tracked_rows(query_start_loc, slot_mapping)
-        for row in rows:
-            state = self.requests[row.req_id]
-            window = state.windows[layer]
-            if window.size and state.reads_queries:
-                sched = self.step[row.req_id]
-                window.push(query[row.lo : row.hi], sched.num_computed, sched.draft_tokens)
+        if self._captures is None:
+            self._captures = self._capture_plan(rows)
+        for capture in self._captures:
+            capture.windows[layer].push(query[capture.lo : capture.hi], capture.start, capture.drafts)
         if self._batch is None:
             self._batch = self._paged_batch([r for r in rows if self.requests[r.req_id].compressed])
         batch = self._batch
@@ -241,6 +253,17 @@ class KVCompWorker:
                                     batch.query_start, self.variants[layer], batch.compensation[layer],
                                     batch.memos[layer])
             flat_out[batch.gather] = out.to(output.dtype)
+
+    def _capture_plan(self, rows: list[Row]) -> list[Capture]:
+        """The rows whose queries this step's layers capture (a request whose windows may still
+        be read), made once per step so that each layer only copies."""
+        plan = []
+        for row in rows:
+            state = self.requests[row.req_id]
+            if state.windows and state.windows[0].size and state.reads_queries:
+                sched = self.step[row.req_id]
+                plan.append(Capture(state.windows, row.lo, row.hi, sched.num_computed, sched.draft_tokens))
+        return plan
 
     def _paged_batch(self, rows: list[Row]) -> PagedBatch:
         """Page tables, query layout and compensation tokens of this step's compressed rows
@@ -459,5 +482,6 @@ class KVCompWorker:
         self.step = {}
         self._slot_to_req = {}
         self._rows = None
+        self._captures = None
         self._batch = None
         self.trimmed = []
