@@ -30,15 +30,19 @@ def test_slot_memory_follows_positions():
     assert looked.tolist() == [[-7.0, 3.0, 5.0, -7.0], [6.0, 8.0, 10.0, -7.0]]
 
 
+@pytest.mark.parametrize("ragged", [True, False])
 @pytest.mark.parametrize("seed", range(4))
-def test_slot_memory_of_all_heads_at_once_matches_one_head_at_a_time(seed):
-    """Ragged and empty heads, unsorted kept indices, positions not in slot order (after a compaction)."""
+def test_slot_memory_of_all_heads_at_once_matches_one_head_at_a_time(seed, ragged):
+    """Ragged and empty heads, or heads keeping as many; unsorted kept indices, positions not in
+    slot order (after a compaction)."""
     gen = torch.Generator().manual_seed(seed)
     heads, n = 5, 40
     values = torch.randn(heads, n, generator=gen, dtype=torch.float64)
     positions = torch.stack([torch.randperm(200, generator=gen)[:n] for _ in range(heads)])
-    indices = [torch.randperm(n, generator=gen)[:k] for k in torch.randint(0, n, (heads,), generator=gen).tolist()]
-    indices[seed % heads] = torch.tensor([], dtype=torch.long)
+    counts = torch.randint(0, n, (heads,), generator=gen).tolist() if ragged else [7 + seed] * heads
+    indices = [torch.randperm(n, generator=gen)[:k] for k in counts]
+    if ragged:
+        indices[seed % heads] = torch.tensor([], dtype=torch.long)
     memory = SlotMemory.kept(values, positions, indices)
     width = max(len(i) for i in indices)
     assert memory.positions.shape == memory.values.shape == (heads, width)

@@ -884,7 +884,12 @@ class SlotMemory:
     ) -> SlotMemory:
         """Remember ``values`` [H, N] at the kept slots; ``positions`` [H, N] of the same layer.
 
-        Every head at once: one gather and one sort by (head, position) for the layer."""
+        Every head at once: one gather and one sort by (head, position) for the layer (heads
+        keeping as many: one row-wise gather and sort, no padding)."""
+        if indices and all(len(i) == len(indices[0]) for i in indices):
+            slots = torch.stack([i.to(torch.long).cpu() for i in indices])  # [H, K]
+            kept_pos, order = positions.cpu().gather(1, slots).sort(dim=1)
+            return cls(kept_pos, values.cpu().gather(1, slots).gather(1, order))
         counts = torch.tensor([len(i) for i in indices], dtype=torch.long)
         heads, width = len(indices), int(counts.max()) if len(indices) else 0
         pos = torch.full((heads, width), -1, dtype=torch.long)
