@@ -156,3 +156,41 @@ def test_window_queries_are_captured_only_while_some_compression_can_read_them(n
     assert state.reads_queries == policy.RECOMPRESSES
     context = CompressionSpec.from_mapping({"policy": name, "ratio": 0.25, "scope": "context"})
     assert not CompressedRequest(spec=context, policy=context.build_policy(), pages=pages).reads_queries
+
+
+@pytest.mark.parametrize("name,window", [("tova", 1), ("h2o", 8)])
+def test_decode_captures_only_the_steps_a_recompression_can_read(name, window):
+    """After a compression a recompressing policy's window is read at its next recompression only,
+    so a step is captured only when that may come within ``size`` steps: the policy's own due
+    check asked ``size - 1`` steps ahead. Every step the recompression reads is captured (its
+    window equals an always-captured one); steps further away are not."""
+    from vllm_kvcomp.engine.pages import PageGeometry, RequestPages
+    from vllm_kvcomp.engine.state import CompressedRequest
+    from vllm_kvcomp.policies.base import RequestState
+    from vllm_kvcomp.spec import CompressionSpec
+
+    spec = CompressionSpec.from_mapping({"policy": name, "ratio": 0.25, "interval": 4,
+                                         **({"window": window} if name == "h2o" else {})})
+    policy = spec.build_policy()
+    size = policy.queries_needed()
+    pages = RequestPages(PageGeometry(1, 2, 16, torch.zeros(1, dtype=torch.long)))
+    pages.kept_positions = [[torch.arange(4), torch.arange(4)]]
+    state = CompressedRequest(spec=spec, policy=policy, pages=pages, windows=[QueryWindow(size)],
+                              policy_state=RequestState(budget=100, page_quantum=(16, 0)))
+    state.lifecycle.prompt_complete(400)
+    state.lifecycle.compressed()
+    assert state.captures(401, drafts=0)  # the longest head is not known yet
+    captured, due = [], []
+    for step in range(40):  # a decode step ends at 401 + step tokens, heads at 100 + step + 1
+        end, live = 401 + step, 101 + step
+        if step:
+            captured.append(state.captures(end, drafts=0))
+            assert state.captures(end, drafts=1)  # speculative steps: always
+        state.lifecycle.decoded()
+        state.live = (end, live)
+        due.append(policy.due(state.policy_state, live, state.lifecycle.steps_since))
+    first = due.index(True)  # the first recompression: a page over the budget, after `interval` steps
+    assert first == 15
+    reads = set(range(first - size + 1, first + 1))  # the steps its window holds
+    assert all(captured[s - 1] for s in reads)
+    assert not any(captured[s - 1] for s in range(1, first - size + 1))

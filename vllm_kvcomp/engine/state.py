@@ -107,6 +107,9 @@ class CompressedRequest:
     windows: list[QueryWindow] = field(default_factory=list)
     compensation: list[Compensation | None] = field(default_factory=list)  # per layer
     lifecycle: Lifecycle = field(default_factory=Lifecycle)  # phase, pending compression point, spares
+    #: (tokens, longest head over every rank) at the end of the last decode step; None after a
+    #: compression (until the next decode step's end)
+    live: tuple[int, int] | None = None
 
     @property
     def compressed(self) -> bool:
@@ -118,3 +121,19 @@ class CompressedRequest:
         """Whether a query captured now may still be read: until the first compression, and after
         it only by a policy that recompresses (the others' windows are never read again)."""
         return not self.pages.compressed or self.policy.recompresses
+
+    def captures(self, end: int, drafts: int) -> bool:
+        """Whether the queries of a step ending at ``end`` tokens are captured: while
+        :attr:`reads_queries`, unless no recompression can read them. A window of ``size``
+        queries read at the step ``j`` steps from now holds this step's only if ``j < size``; the
+        policy's :meth:`~Policy.due` only grows with the tokens and the steps, so asking it about
+        the step ``size - 1`` ahead tells whether any of them may be due (each step adds a token
+        to every head). Captured always before the first compression, with draft tokens, and
+        when the longest head is not known (the first step after a compression)."""
+        if not self.reads_queries:
+            return False
+        if not self.pages.compressed or drafts or self.live is None:
+            return True
+        size = self.windows[0].size if self.windows else 0
+        live = self.live[1] + end - self.live[0]
+        return self.policy.due(self.policy_state, live + size - 1, self.lifecycle.steps_since + size)

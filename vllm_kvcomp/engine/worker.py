@@ -255,13 +255,13 @@ class KVCompWorker:
             flat_out[batch.gather] = out.to(output.dtype)
 
     def _capture_plan(self, rows: list[Row]) -> list[Capture]:
-        """The rows whose queries this step's layers capture (a request whose windows may still
-        be read), made once per step so that each layer only copies."""
+        """The rows whose queries this step's layers capture (:meth:`CompressedRequest.captures`),
+        made once per step so that each layer only copies."""
         plan = []
         for row in rows:
-            state = self.requests[row.req_id]
-            if state.windows and state.windows[0].size and state.reads_queries:
-                sched = self.step[row.req_id]
+            state, sched = self.requests[row.req_id], self.step[row.req_id]
+            end = sched.num_computed + sched.num_scheduled
+            if state.windows and state.windows[0].size and state.captures(end, sched.draft_tokens):
                 plan.append(Capture(state.windows, row.lo, row.hi, sched.num_computed, sched.draft_tokens))
         return plan
 
@@ -340,6 +340,7 @@ class KVCompWorker:
             drafts = sched.draft_tokens > 0  # speculative decoding: the sampler may reject some
             life.decoded(drafts=drafts and policy.recompresses)
             if not drafts:
+                state.live = (end, live)
                 self._recompress_if_due(rid, state, sched, end, live)
 
     def _recompress_if_due(self, rid: str, state: CompressedRequest, sched: ScheduledRequest, end: int,
@@ -417,6 +418,7 @@ class KVCompWorker:
         spares) when copy-on-compress got too few spares: the policy state is rolled back and the
         scheduler told how many to send."""
         started = time.perf_counter()
+        state.live = None  # the heads' lengths change
         for window in state.windows:  # queries of rolled-back draft tokens (a no-op otherwise)
             window.truncate(end)
         copies = self._copies(state, sched)
