@@ -85,9 +85,11 @@ def test_virtual_sequences_hold_what_was_kept_through_compressions_and_decode(se
     for _ in range(4):
         req.compress()
         assert req.read() == req.expected
-        lengths = req.pages.lengths(req.length)  # cells hold their own positions: so must positions()
-        assert [[req.pages.positions(layer, head, int(lengths[layer, head])).tolist() for head in range(H)]
-                for layer in range(L)] == req.expected
+        positions = req.pages.positions(req.length)  # cells hold their own positions: so must positions()
+        assert positions.shape[2] == int(req.pages.lengths(req.length).max())
+        assert [[row[row >= 0].tolist() for row in layer] for layer in positions] == req.expected
+        assert [[int((row < 0).sum()) for row in layer] for layer in positions] == \
+            [[positions.shape[2] - len(held) for held in layer] for layer in req.expected]  # padding on the left
         for _ in range(req.rng.randrange(1, 3 * BS)):
             req.append(1)
             assert req.read() == req.expected

@@ -168,9 +168,8 @@ class FakeRunner:
         req, state = self.requests[rid], self.worker.requests.get(rid)
         geometry, bs = self.cache.geometry, self.worker.block_size
         if state is not None:
-            tables, lengths = state.pages.tables(torch.tensor(req.blocks), end), state.pages.lengths(end)
-            want = [state.pages.positions(layer, head, int(lengths[layer, head]))
-                    for layer in range(geometry.num_layers) for head in range(geometry.num_kv_heads)]
+            tables = state.pages.tables(torch.tensor(req.blocks), end)
+            want = [row[row >= 0] for row in state.pages.positions(end).flatten(0, 1)]
         else:  # vLLM's layout: every head holds 0..end-1
             tables = geometry.page_ids(torch.tensor(req.blocks[: math.ceil(end / bs)]))
             want = [torch.arange(end)] * (geometry.num_layers * geometry.num_kv_heads)

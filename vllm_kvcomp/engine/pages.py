@@ -107,14 +107,17 @@ class RequestPages:
         columns = self.counts.unsqueeze(-1) + torch.arange(tail.shape[2])
         return table.scatter_(2, columns, tail)
 
-    def positions(self, layer: int, head: int, length: int) -> torch.Tensor:
-        """[length] logical positions of head ``head``'s virtual sequence, ascending."""
-        if self.kept_positions is None:
-            return torch.arange(length)
-        kept = self.kept_positions[layer][head]
-        m = int(self.counts[layer, head]) * self.geometry.block_size
-        start = self.tail_col * self.geometry.block_size + (kept.numel() - m)
-        return torch.cat([kept, torch.arange(start, start + length - kept.numel())])
+    def positions(self, seq_len: int) -> torch.Tensor:
+        """[L, H, N] logical positions of every head's virtual sequence when the request holds
+        ``seq_len`` tokens, ascending, right-aligned to the longest head's N (-1 on the left):
+        its kept positions, then the tail's consecutive ones."""
+        lengths = self.lengths(seq_len).flatten()  # [L*H]
+        width = int(lengths.max()) if lengths.numel() else 0
+        held, start, tail = self._held_positions()
+        virtual = torch.arange(width) - (width - lengths).unsqueeze(1)  # [L*H, N]; < 0: padding
+        kept = self._kept_flat()[(start.unsqueeze(1) + virtual).clamp(0, max(int(held.sum()) - 1, 0))]
+        out = torch.where(virtual < held.unsqueeze(1), kept, tail.unsqueeze(1) + virtual - held.unsqueeze(1))
+        return out.masked_fill_(virtual < 0, -1).view(*self.counts.shape, width)
 
     def packed_pages(self, kept: list[list[torch.Tensor]], end: int) -> torch.Tensor:
         """[L, H] packed pages each head needs to keep ``kept[l][h]`` at logical length ``end``.
@@ -182,7 +185,7 @@ class RequestPages:
     def _held_positions(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per head [L*H]: how many kept positions it holds (the first of its virtual sequence),
         where they start in :meth:`_kept_flat`, and the logical position of its first tail cell
-        (:meth:`positions`, every head at once; nothing kept yet: 0, 0, 0)."""
+        (nothing kept yet: 0, 0, 0)."""
         heads = self.geometry.num_layers * self.geometry.num_kv_heads
         if self.kept_positions is None:
             zero = torch.zeros(heads, dtype=torch.long)

@@ -374,13 +374,10 @@ class KVCompWorker:
             rows = rows.to(full_k.device)
             full_k = full_k.reshape(-1, dim).index_select(0, rows).index_fill_(0, pad, 0).view(num_layers, heads, n, dim)
             full_v = full_v.reshape(-1, dim).index_select(0, rows).index_fill_(0, pad, 0).view(num_layers, heads, n, dim)
+        every_position = state.pages.positions(end)  # [L, H, n], right-aligned like the K/V
         inputs = []
-        for layer in range(self.num_layers):
-            width = int(lengths[layer].max())
-            positions = torch.full((self.num_kv_heads, width), -1, dtype=torch.long)
-            for head in range(self.num_kv_heads):
-                length = int(lengths[layer, head])
-                positions[head, width - length :] = state.pages.positions(layer, head, length)
+        for layer, width in enumerate(lengths.amax(dim=1).tolist()):
+            positions = every_position[layer, :, n - width :].contiguous()
             window = state.windows[layer]
             queries = None if window.queries is None else window.queries.transpose(0, 1)
             inputs.append(LayerKV(  # layers by model index
