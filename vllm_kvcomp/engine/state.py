@@ -55,7 +55,8 @@ class QueryWindow:
         them draft tokens; held queries at or after ``start`` are dropped first (a speculative
         step's rejected drafts, computed again)."""
         n, buffer, keep = queries.shape[0], self._buffer, self.size + drafts
-        if (start == self.end and buffer is not None and n <= keep <= buffer.shape[0] - self._stop
+        if (start == self.end and buffer is not None and n <= keep <= buffer.shape[0]
+                and self._stop + n <= buffer.shape[0]
                 and (self.limit is None or start + n <= self.limit)):  # a decode step: one copy
             buffer[self._stop : self._stop + n] = queries
             self._stop += n
