@@ -165,18 +165,18 @@ class RequestPages:
         if residue:  # the last `residue` kept cells stay in the head's page of block `growth`
             own.scatter_(1, pages.view(heads, 1), g.page_ids(block_ids[growth : growth + 1]).view(heads, 1))
         old_tables = self.tables(block_ids, end).view(heads, -1)
-        held, kept_start, tail_start = self._held_positions()
+        old_positions = self.positions(end).view(heads, -1)  # right-aligned: virtual index v at v + N - length
         first_kept = torch.cumsum(counts, 0) - counts
         rows = torch.arange(heads)
-        # every per-head quantity repeated for each of the head's kept cells, in one pass: [6, n]
+        padding = old_positions.shape[1] - self.lengths(end).flatten()
+        # every per-head quantity repeated for each of the head's kept cells, in one pass: [4, n]
         per_cell = torch.repeat_interleave(torch.stack([
-            rows * old_tables.shape[1], rows * own.shape[1], first_kept, held, kept_start, tail_start]), counts, dim=1)
-        table_row, own_row, cell_first, cell_held, cell_kept_start, cell_tail_start = per_cell
+            rows * old_tables.shape[1], rows * own.shape[1], first_kept, rows * old_positions.shape[1] + padding]),
+            counts, dim=1)
+        table_row, own_row, cell_first, position_row = per_cell
         dst = torch.arange(idx.numel()) - cell_first  # each kept cell's index in its head's new sequence
         move = Move(old_tables.view(-1)[table_row + idx // bs], idx % bs, own.view(-1)[own_row + dst // bs], dst % bs)
-        in_kept = idx < cell_held  # the cell was kept before; else it is in the tail
-        kept_at = self._kept_flat()[torch.where(in_kept, cell_kept_start + idx, 0)]
-        split = torch.split(torch.where(in_kept, kept_at, cell_tail_start + idx - cell_held), counts.tolist())
+        split = torch.split(old_positions.view(-1)[position_row + idx], counts.tolist())
         positions = [list(split[layer * g.num_kv_heads : (layer + 1) * g.num_kv_heads]) for layer in range(g.num_layers)]
         moved = (move.src_pages != move.dst_pages) | (move.src_offsets != move.dst_offsets)
         move = Move(move.src_pages[moved], move.src_offsets[moved], move.dst_pages[moved], move.dst_offsets[moved])
