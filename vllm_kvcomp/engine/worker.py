@@ -362,18 +362,19 @@ class KVCompWorker:
         lengths and positions on the host."""
         tables, lengths = state.pages.tables(block_ids, end), state.pages.lengths(end)  # [L, H, W], [L, H]
         n = int(lengths.max())
-        # a head's virtual sequence is its table's pages in order: read whole pages, one gather
-        full_k, full_v = self.cache.read_pages(tables.to(self.cache.device))  # [L, H, W * bs, D]
         if bool((lengths == n).all()):  # every head equally long (e.g. the first compression)
+            # a head's virtual sequence is its table's pages in order: read whole pages, one gather
+            full_k, full_v = self.cache.read_pages(tables.to(self.cache.device))  # [L, H, W * bs, D]
             full_k, full_v = full_k[:, :, :n], full_v[:, :, :n]
-        else:  # right-align each head, zeros on the left: one row gather, then the padding rows zeroed
-            num_layers, heads, width, dim = full_k.shape
+        else:  # right-aligned per head: each live cell read where it lands (one gather), zeros on the left
             virtual = torch.arange(n) - (n - lengths.unsqueeze(-1))  # [L, H, N]; < 0: left padding
-            rows = (torch.arange(num_layers * heads).view(num_layers, heads, 1) * width + virtual.clamp(min=0)).flatten()
-            pad = torch.nonzero(virtual.flatten() < 0).flatten().to(full_k.device)
-            rows = rows.to(full_k.device)
-            full_k = full_k.reshape(-1, dim).index_select(0, rows).index_fill_(0, pad, 0).view(num_layers, heads, n, dim)
-            full_v = full_v.reshape(-1, dim).index_select(0, rows).index_fill_(0, pad, 0).view(num_layers, heads, n, dim)
+            cell = virtual.clamp(min=0).flatten(0, 1)  # [L·H, N]
+            pages = tables.flatten(0, 1).gather(1, cell // self.block_size)
+            device = self.cache.device
+            keys, values = self.cache.read_cells(pages.flatten().to(device), (cell % self.block_size).flatten().to(device))
+            pad = torch.nonzero(virtual.flatten() < 0).flatten().to(device)
+            shape = (*lengths.shape, n, keys.shape[-1])
+            full_k, full_v = keys.index_fill_(0, pad, 0).view(shape), values.index_fill_(0, pad, 0).view(shape)
         every_position = state.pages.positions(end)  # [L, H, n], right-aligned like the K/V
         inputs = []
         for layer, width in enumerate(lengths.amax(dim=1).tolist()):
