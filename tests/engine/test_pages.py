@@ -8,6 +8,7 @@ kept plus the tokens appended since, and nothing may live in a freed block.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -93,6 +94,22 @@ def test_virtual_sequences_hold_what_was_kept_through_compressions_and_decode(se
         for _ in range(req.rng.randrange(1, 3 * BS)):
             req.append(1)
             assert req.read() == req.expected
+
+
+def test_a_table_is_rebuilt_only_when_the_tail_enters_another_block():
+    """Decode reuses a request's page table (the same tensor) until its tail needs a new block;
+    every table equals one built from scratch."""
+    req = SimRequest(5)
+    req.append(5 * BS + 1)
+    req.compress()
+    table = req.pages.tables(req.blocks, req.length)
+    for _ in range(3 * BS):
+        blocks_before = -(-req.length // BS)
+        req.append(1)
+        again = req.pages.tables(req.blocks, req.length)
+        assert (again is table) == (-(-req.length // BS) == blocks_before)
+        assert torch.equal(again, dataclasses.replace(req.pages).tables(req.blocks, req.length))  # no memo
+        table = again
 
 
 def test_blocks_held_are_the_packed_pages_plus_the_tail():

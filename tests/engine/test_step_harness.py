@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.helpers.step_harness import StepHarness
+from vllm_kvcomp.engine.worker import TableLayout
 from vllm_kvcomp.policies.registry import POLICY_NAMES, get_policy_class, streaming_policy_names
 
 pytestmark = pytest.mark.vllm  # vLLM's scheduler (no engine, no model)
@@ -64,6 +65,24 @@ def kept_blocks(h: StepHarness, rid: str) -> int:
 def settled(rid: str):
     """Condition: ``rid`` compressed and the scheduler freed what the compaction emptied."""
     return lambda h: h.compressed(rid) and h.blocks_held(rid) < len(h.scheduler.kv_cache_manager.get_block_ids(rid)[0])
+
+
+def test_decode_builds_page_tables_only_when_a_tail_enters_a_block(make, monkeypatch):
+    """The compressed rows' page tables (what every layer's kernel call reads) are built again
+    only when a request's tail enters another block, not every decode step: two requests
+    decoding 2 blocks' worth of tokens build at most 3 layouts each, not one a step."""
+    built = []
+    build = TableLayout.of
+    monkeypatch.setattr(TableLayout, "of", classmethod(lambda cls, *a, **k: built.append(1) or build(*a, **k)))
+    h = make()
+    for rid, seed in (("a", 3), ("b", 4)):
+        h.add(rid, ids(PROMPT, seed), "snapkv", max_tokens=3 * BS, **spec_for("snapkv"))
+    h.step_until(lambda h: settled("a")(h) and settled("b")(h))
+    built.clear()
+    for _ in range(2 * BS):
+        h.step()
+    assert 0 < len(built) <= 2 * 3
+    assert_clean(h)
 
 
 # ---------------------------------------------------------------------------- every policy

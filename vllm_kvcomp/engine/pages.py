@@ -81,6 +81,9 @@ class RequestPages:
     kept_positions: list[list[torch.Tensor]] | None = None  # [L][H] logical positions of kept tokens
     tail_col: int = 0
     first_live_col: int = 0  # columns before it were freed
+    # the last table built and the tail blocks it was built from (a decode step's table changes
+    # only when the tail crosses into a new block; a compaction makes a new RequestPages)
+    _table: tuple[tuple[int, ...], torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         g = self.geometry
@@ -96,16 +99,24 @@ class RequestPages:
         """[L, H] int64 virtual length of every head when the request holds ``seq_len`` tokens."""
         return self.counts * self.geometry.block_size + (seq_len - self.tail_col * self.geometry.block_size)
 
-    def tables(self, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
-        """[L, H, W] int64 page table of every head's virtual sequence (``block_ids`` [n] positional)."""
+    def tables(self, block_ids: torch.Tensor | list[int], seq_len: int) -> torch.Tensor:
+        """[L, H, W] int64 page table of every head's virtual sequence (``block_ids`` [n] positional).
+
+        Built again only when the tail's blocks changed since the last call (the same tensor is
+        returned until then: read it, do not write it)."""
         bs = self.geometry.block_size
-        tail_blocks = torch.as_tensor(block_ids, dtype=torch.long)[self.tail_col : ceil_div(seq_len, bs)]
-        tail = self.geometry.page_ids(tail_blocks)  # [L, H, n_tail]
+        ids = block_ids.tolist() if isinstance(block_ids, torch.Tensor) else block_ids
+        tail_blocks = tuple(ids[self.tail_col : ceil_div(seq_len, bs)])
+        if self._table is not None and self._table[0] == tail_blocks:
+            return self._table[1]
+        tail = self.geometry.page_ids(torch.tensor(tail_blocks, dtype=torch.long))  # [L, H, n_tail]
         width = self.packed.shape[2] + tail.shape[2]
         table = torch.full((*self.counts.shape, width), NO_PAGE, dtype=torch.long)
         table[..., : self.packed.shape[2]] = self.packed
         columns = self.counts.unsqueeze(-1) + torch.arange(tail.shape[2])
-        return table.scatter_(2, columns, tail)
+        table.scatter_(2, columns, tail)
+        self._table = (tail_blocks, table)
+        return table
 
     def positions(self, seq_len: int) -> torch.Tensor:
         """[L, H, N] logical positions of every head's virtual sequence when the request holds

@@ -80,6 +80,35 @@ class PagedBatch:
     memos: list[dict[str, object]]  # per layer; one dict shared by the layers with equal lengths (PagedCache.attend)
 
 
+@dataclass
+class TableLayout:
+    """The page tables of a step's compressed requests (in row order) as the kernel reads them,
+    kept while every request's table is the same tensor (:meth:`RequestPages.tables` builds a
+    new one only when its pages or tail blocks change: once a block in decode)."""
+
+    tables: list[torch.Tensor]  # each request's [L, H, W_r]
+    device_tables: torch.Tensor  # [L, S, W] int32 on the cache's device, sequence s = (request, head)
+    base: torch.Tensor  # [L, S] int64: each head's length less its request's length
+    groups: list[int]  # per layer: the first layer whose heads are all as long (kernel schedules shared)
+
+    @classmethod
+    def of(cls, tables: list[torch.Tensor], requests: list[CompressedRequest], block_size: int,
+           device: torch.device) -> TableLayout:
+        num_layers = tables[0].shape[0] if tables else 0
+        width = max((t.shape[2] for t in tables), default=0)
+        padded = [torch.nn.functional.pad(t, (0, width - t.shape[2])) for t in tables]
+        joined = torch.cat(padded, dim=1) if padded else torch.zeros(num_layers, 0, 1, dtype=torch.long)
+        # RequestPages.lengths(seq_len) = counts * bs + seq_len - tail_col * bs
+        base = [(s.pages.counts - s.pages.tail_col) * block_size for s in requests]
+        base = torch.cat(base, dim=1) if base else torch.zeros(num_layers, 0, dtype=torch.long)
+        first: dict[tuple[int, ...], int] = {}
+        groups = [first.setdefault(tuple(row), layer) for layer, row in enumerate(base.tolist())]
+        return cls(list(tables), joined.to(device, torch.int32), base, groups)
+
+    def holds(self, tables: list[torch.Tensor]) -> bool:
+        return len(tables) == len(self.tables) and all(a is b for a, b in zip(tables, self.tables))
+
+
 def _contiguous(rows: list[Row], heads: int) -> slice | None:
     """The slice of ``query.view(-1, G, D)`` that the rows' sequences read, when it is one run:
     one query per row and adjacent rows (decode), sequence (row, head) = row.lo * heads + head.
@@ -106,6 +135,7 @@ class KVCompWorker:
         self._rows: list[Row] | None = None
         self._captures: list[Capture] | None = None
         self._batch: PagedBatch | None = None
+        self._layout: TableLayout | None = None  # the last step's compressed page tables
         self.trimmed: list[tuple[object, object]] = []  # this step's (vLLM metadata, its trimmed copy)
         self._report = WorkerReport()
         self.variants: list[AttentionVariant] = []  # per compressed layer, as vLLM's kernel attends it
@@ -268,35 +298,35 @@ class KVCompWorker:
     def _paged_batch(self, rows: list[Row]) -> PagedBatch:
         """Page tables, query layout and compensation tokens of this step's compressed rows
         (built once per step, on the host, so that the layers read nothing back; the index
-        tensors in the kernels' int32, so that no layer converts them)."""
+        tensors in the kernels' int32, so that no layer converts them). The tables are reused
+        from the last step while no request's changed (:class:`TableLayout`)."""
         heads = self.num_kv_heads
         contiguous = _contiguous(rows, heads)
-        tables, lengths, counts, gather, requests = [], [], [], [], []
+        tables, ends, counts, gather, requests = [], [], [], [], []
         for row in rows:
             sched, state = self.step[row.req_id], self.requests[row.req_id]
             end = sched.num_computed + sched.num_scheduled
-            tables.append(state.pages.tables(torch.tensor(sched.block_ids), end))  # [L, H, W]
-            lengths.append(state.pages.lengths(end))
+            tables.append(state.pages.tables(sched.block_ids, end))  # [L, H, W], the same tensor until it changes
+            ends.append(end)
             if contiguous is None:
                 tokens = torch.arange(row.lo, row.hi)
                 gather.append((tokens.view(1, -1) * heads + torch.arange(heads).view(-1, 1)).flatten())
             counts.extend([row.hi - row.lo] * heads)
             requests.append(state)
-        width = max((t.shape[2] for t in tables), default=0)
-        padded = [torch.nn.functional.pad(t, (0, width - t.shape[2])) for t in tables]
+        layout = self._layout
+        if layout is None or not layout.holds(tables):
+            layout = self._layout = TableLayout.of(tables, requests, self.block_size, self.cache.device)
         device = self.cache.device
-        empty = torch.zeros(self.num_layers, 0, dtype=torch.long)
-        all_lengths = torch.cat(lengths, dim=1) if lengths else empty  # [L, S]
-        by_lengths: dict[tuple[int, ...], dict[str, object]] = {}
-        memos = [by_lengths.setdefault(tuple(row), {}) for row in all_lengths.tolist()]
+        all_lengths = layout.base + torch.tensor(ends, dtype=torch.long).repeat_interleave(heads)  # [L, S]
+        memos: dict[int, dict[str, object]] = {}
         return PagedBatch(
-            tables=(torch.cat(padded, dim=1) if padded else empty.unsqueeze(-1)).to(device, torch.int32),
+            tables=layout.device_tables,
             lengths=all_lengths.to(device, torch.int32),
             query_start=torch.cumsum(torch.tensor([0, *counts]), 0).to(device, torch.int32),
             gather=contiguous or (torch.cat(gather) if gather else torch.zeros(0, dtype=torch.long)).to(device),
             requests=requests,
             compensation=self._compensation(requests, counts, all_lengths),
-            memos=memos,
+            memos=[memos.setdefault(group, {}) for group in layout.groups],
         )
 
     def _compensation(self, requests: list[CompressedRequest], query_rows: list[int],
