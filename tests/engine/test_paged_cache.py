@@ -92,6 +92,22 @@ def test_read_pages_equals_reading_every_cell(kind, device):
 
 
 @pytest.mark.parametrize(("kind", "device"), CASES)
+def test_keys_alone_are_the_keys_of_a_full_read(kind, device):
+    """``values=False`` (a policy that reads no values): the same keys, no values."""
+    cache = CLASSES[kind](buffer(device))
+    cache.pages.copy_(torch.randn_like(cache.pages))
+    pages = torch.randint(0, cache.num_pages, (L, HK, 3), device=device)
+    want = cache.read_pages(pages)[0].clone()
+    keys, values = cache.read_pages(pages, values=False)
+    assert values is None
+    torch.testing.assert_close(keys, want, rtol=0, atol=0)
+    cells, offsets = pages.flatten(), torch.randint(0, BS, (pages.numel(),), device=device)
+    keys, values = cache.read_cells(cells, offsets, values=False)
+    assert values is None
+    torch.testing.assert_close(keys, cache.read_cells(cells, offsets)[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("kind", "device"), CASES)
 def test_move_reads_every_source_before_writing(kind, device):
     """A compaction's move: cells shift onto cells that are themselves sources (a chain and a
     swap), across layers; every destination gets its source's old content, nothing else changes."""

@@ -119,9 +119,10 @@ class FakeRequest:
     def max_live(self) -> int:
         return max(max(self.lengths(layer)) for layer in range(self.num_layers))
 
-    def layer_kv(self, layer: int, window: int, out_proj: bool = False) -> LayerKV:
+    def layer_kv(self, layer: int, window: int, out_proj: bool = False, values_wanted: bool = True) -> LayerKV:
         """Right-aligned [H, N, D] view as the engine passes it, with the last ``window`` queries
-        (and the layer's output projection if ``out_proj``, as the engine gives a policy that asks)."""
+        (and the layer's output projection if ``out_proj``, as the engine gives a policy that asks;
+        values None unless ``values_wanted``, as the engine gives a policy that does not read them)."""
         lengths = self.lengths(layer)
         n = max(lengths)
         heads = len(lengths)
@@ -138,18 +139,18 @@ class FakeRequest:
             queries = self.queries[layer][:, -window:]
             qpos = self.query_positions[-window:]
         return LayerKV(
-            keys, values, layer=layer, num_layers=self.num_layers, lengths=torch.tensor(lengths),
+            keys, values if values_wanted else None, layer=layer, num_layers=self.num_layers, lengths=torch.tensor(lengths),
             positions=pos, queries=queries, query_positions=qpos,
             out_proj=self.out_proj[layer] if out_proj else None,
         )
 
-    def layers(self, window: int, out_proj: bool = False) -> list[LayerKV]:
-        return [self.layer_kv(i, window, out_proj) for i in range(self.num_layers)]
+    def layers(self, window: int, out_proj: bool = False, values: bool = True) -> list[LayerKV]:
+        return [self.layer_kv(i, window, out_proj, values) for i in range(self.num_layers)]
 
     def inputs(self, policy: Policy) -> list[LayerKV]:
         """Every layer as the engine gives it to ``policy``: its window of queries, the output
-        projection if it asks (``NEEDS_OUT_PROJ``)."""
-        return self.layers(policy.queries_needed(), policy.NEEDS_OUT_PROJ)
+        projection if it asks (``NEEDS_OUT_PROJ``), no values unless it reads them (``READS_VALUES``)."""
+        return self.layers(policy.queries_needed(), policy.NEEDS_OUT_PROJ, policy.READS_VALUES)
 
     def apply(self, selections: list[Selection]) -> None:
         """Compact every head to exactly the selected slots, in order."""

@@ -39,7 +39,7 @@ def _half(kv: LayerKV, rank: int) -> LayerKV:
     query_heads = slice(rank * HEADS * GROUP // 2, (rank + 1) * HEADS * GROUP // 2)
     queries = None if kv.queries is None else kv.queries[query_heads]
     out_proj = None if kv.out_proj is None else kv.out_proj[query_heads]  # o_proj is split by query head
-    return LayerKV(kv.keys[heads, cut:], kv.values[heads, cut:], layer=kv.layer, num_layers=kv.num_layers,
+    return LayerKV(kv.keys[heads, cut:], None if kv.values is None else kv.values[heads, cut:], layer=kv.layer, num_layers=kv.num_layers,
                    lengths=lengths, positions=kv.positions[heads, cut:], queries=queries,
                    query_positions=kv.query_positions, scale=kv.scale, out_proj=out_proj)
 

@@ -33,7 +33,7 @@ from vllm_kvcomp import vllm_compat
 from vllm_kvcomp.engine.pages import Move, PageGeometry
 from vllm_kvcomp.policies.compensation import soft_cap
 
-Tensors = tuple[torch.Tensor, torch.Tensor]
+Tensors = tuple[torch.Tensor, torch.Tensor | None]  # keys, values (None when not asked for)
 FLOAT_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -122,13 +122,15 @@ class PagedCache(ABC):
         self._scratch: dict[str, torch.Tensor] = {}
 
     @abstractmethod
-    def read_cells(self, pages: torch.Tensor, offsets: torch.Tensor) -> Tensors:
-        """Keys, values [n, D] (copies) of the cells at (``pages``, ``offsets``) [n]."""
+    def read_cells(self, pages: torch.Tensor, offsets: torch.Tensor, values: bool = True) -> Tensors:
+        """Keys, values [n, D] (copies) of the cells at (``pages``, ``offsets``) [n]; values None
+        unless ``values``."""
 
     @abstractmethod
-    def read_pages(self, pages: torch.Tensor) -> Tensors:
+    def read_pages(self, pages: torch.Tensor, values: bool = True) -> Tensors:
         """Keys, values [..., n * bs, D] of whole ``pages`` [..., n], cells in page order: copies
-        in buffers this cache reuses, valid until its next ``read_pages``."""
+        in buffers this cache reuses, valid until its next ``read_pages``; values None unless
+        ``values``."""
 
     def scratch(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """A reused buffer of ``shape`` (grown when too small; fresh allocations of the size of
@@ -180,17 +182,19 @@ class CpuPagedCache(PagedCache):
         # the kernel's own view of a cache (as CPU_ATTN builds it), with one head per "block"
         self.kernel_keys, self.kernel_values = self.pages.view(self.num_pages, 1, 2 * bs, d).chunk(2, dim=2)
 
-    def read_cells(self, pages: torch.Tensor, offsets: torch.Tensor) -> Tensors:
-        return self.keys_t[pages, :, offsets], self.values[pages, offsets]
+    def read_cells(self, pages: torch.Tensor, offsets: torch.Tensor, values: bool = True) -> Tensors:
+        return self.keys_t[pages, :, offsets], self.values[pages, offsets] if values else None
 
-    def read_pages(self, pages: torch.Tensor) -> Tensors:
+    def read_pages(self, pages: torch.Tensor, values: bool = True) -> Tensors:
         bs, d, flat = self.geometry.block_size, self.head_dim, pages.reshape(-1)
         gathered = torch.index_select(self.keys_t, 0, flat, out=self.scratch("keys_t", (flat.numel(), d, bs)))
         keys = self.scratch("keys", (*pages.shape, bs, d))
         keys.copy_(gathered.view(*pages.shape, d, bs).transpose(-1, -2))
-        values = self.scratch("values", (*pages.shape, bs, d))
-        torch.index_select(self.values, 0, flat, out=values.view(flat.numel(), bs, d))
-        return keys.flatten(-3, -2), values.flatten(-3, -2)
+        if not values:
+            return keys.flatten(-3, -2), None
+        read = self.scratch("values", (*pages.shape, bs, d))
+        torch.index_select(self.values, 0, flat, out=read.view(flat.numel(), bs, d))
+        return keys.flatten(-3, -2), read.flatten(-3, -2)
 
     def write_cells(self, pages: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.keys_t[pages, :, offsets] = keys.to(self.dtype)
@@ -267,16 +271,18 @@ class CudaPagedCache(PagedCache):
         bs, d = self.geometry.block_size, self.head_dim
         self.cells = self.pages.view(self.num_pages, bs, 1, 2 * d)  # kernels' [blocks, bs, H_kv=1, 2D]
 
-    def read_cells(self, pages: torch.Tensor, offsets: torch.Tensor) -> Tensors:
+    def read_cells(self, pages: torch.Tensor, offsets: torch.Tensor, values: bool = True) -> Tensors:
+        if not values:
+            return self.cells[pages, offsets, 0, : self.head_dim], None
         cells = self.cells[pages, offsets, 0]
         return cells[:, : self.head_dim], cells[:, self.head_dim :]
 
-    def read_pages(self, pages: torch.Tensor) -> Tensors:
+    def read_pages(self, pages: torch.Tensor, values: bool = True) -> Tensors:
         flat = pages.reshape(-1)
         cells = self.scratch("cells", (flat.numel(), *self.cells.shape[1:]))
         torch.index_select(self.cells, 0, flat, out=cells)
         cells = cells.view(*pages.shape, -1, 2 * self.head_dim).flatten(-3, -2)  # [..., n * bs, 2D]
-        return cells[..., : self.head_dim], cells[..., self.head_dim :]
+        return cells[..., : self.head_dim], cells[..., self.head_dim :] if values else None  # K and V share cells
 
     def write_cells(self, pages: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.cells[pages, offsets, 0] = torch.cat([keys, values], dim=-1).to(self.dtype)

@@ -392,19 +392,22 @@ class KVCompWorker:
         lengths and positions on the host."""
         tables, lengths = state.pages.tables(block_ids, end), state.pages.lengths(end)  # [L, H, W], [L, H]
         n = int(lengths.max())
+        reads_values = state.policy.READS_VALUES
         if bool((lengths == n).all()):  # every head equally long (e.g. the first compression)
             # a head's virtual sequence is its table's pages in order: read whole pages, one gather
-            full_k, full_v = self.cache.read_pages(tables.to(self.cache.device))  # [L, H, W * bs, D]
-            full_k, full_v = full_k[:, :, :n], full_v[:, :, :n]
+            full_k, full_v = self.cache.read_pages(tables.to(self.cache.device), reads_values)  # [L, H, W * bs, D]
+            full_k, full_v = full_k[:, :, :n], None if full_v is None else full_v[:, :, :n]
         else:  # right-aligned per head: each live cell read where it lands (one gather), zeros on the left
             virtual = torch.arange(n) - (n - lengths.unsqueeze(-1))  # [L, H, N]; < 0: left padding
             cell = virtual.clamp(min=0).flatten(0, 1)  # [L·H, N]
             pages = tables.flatten(0, 1).gather(1, cell // self.block_size)
             device = self.cache.device
-            keys, values = self.cache.read_cells(pages.flatten().to(device), (cell % self.block_size).flatten().to(device))
+            keys, values = self.cache.read_cells(pages.flatten().to(device), (cell % self.block_size).flatten().to(device),
+                                                 reads_values)
             pad = torch.nonzero(virtual.flatten() < 0).flatten().to(device)
             shape = (*lengths.shape, n, keys.shape[-1])
-            full_k, full_v = keys.index_fill_(0, pad, 0).view(shape), values.index_fill_(0, pad, 0).view(shape)
+            full_k = keys.index_fill_(0, pad, 0).view(shape)
+            full_v = None if values is None else values.index_fill_(0, pad, 0).view(shape)
         every_position = state.pages.positions(end)  # [L, H, n], right-aligned like the K/V
         inputs = []
         for layer, width in enumerate(lengths.amax(dim=1).tolist()):
@@ -412,7 +415,7 @@ class KVCompWorker:
             window = state.windows[layer]
             queries = None if window.queries is None else window.queries.transpose(0, 1)
             inputs.append(LayerKV(  # layers by model index
-                keys=full_k[layer, :, n - width :], values=full_v[layer, :, n - width :],
+                keys=full_k[layer, :, n - width :], values=None if full_v is None else full_v[layer, :, n - width :],
                 layer=self.model_layers[layer], num_layers=self.num_model_layers, lengths=lengths[layer],
                 positions=positions, queries=queries,
                 query_positions=window.positions, scale=self.variants[layer].scale,

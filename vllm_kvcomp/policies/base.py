@@ -36,7 +36,7 @@ class LayerKV:
     """What a policy sees of one layer of one request."""
 
     keys: torch.Tensor  # [H_kv, N, D]
-    values: torch.Tensor  # [H_kv, N, D]
+    values: torch.Tensor | None  # [H_kv, N, D]; the engine gives None to a policy without ``READS_VALUES``
     layer: int = 0
     num_layers: int = 1
     lengths: torch.Tensor | None = None  # [H_kv] int64, valid suffix per head; None = all N
@@ -100,7 +100,7 @@ class LayerKV:
             before = self.window_query_positions() < tokens
             queries, query_positions = queries[:, before], self.window_query_positions()[before]
         return replace(
-            self, keys=self.keys[:, :tokens], values=self.values[:, :tokens],
+            self, keys=self.keys[:, :tokens], values=None if self.values is None else self.values[:, :tokens],
             lengths=torch.full((self.num_kv_heads,), tokens, dtype=torch.long), positions=positions[:, :tokens],
             queries=queries, query_positions=query_positions,
         )
@@ -578,6 +578,9 @@ class Policy:
     #: True if the policy reads each layer's output projection (``LayerKV.out_proj``); the engine
     #: and the oracle fill it only then, and serve the policy uncompressed on a model without one.
     NEEDS_OUT_PROJ: ClassVar[bool] = False
+    #: False if the policy never reads ``LayerKV.values``: the engine then reads no values back
+    #: for its compressions (``values`` None; a decode recompression reads half the bytes).
+    READS_VALUES: ClassVar[bool] = True
 
     prefill: str = field(default="end", kw_only=True)
     scope: str = field(default="all", kw_only=True)

@@ -52,6 +52,7 @@ class H2O(HeadsChoice, ScorePolicy):
     """Heavy hitters (accumulated attention) + recent window, recompressed during decode."""
 
     name: ClassVar[str] = "h2o"
+    READS_VALUES: ClassVar[bool] = False
     KEEPS: ClassVar[str] = "heaviest accumulated attention + recent `window` (recompresses)"
     PAPER: ClassVar[str] = "Zhang et al. 2023"
     TEST_PARAMS: ClassVar[Mapping[str, Any]] = {"ratio": 0.5, "window": 8, "interval": 4}

@@ -48,6 +48,7 @@ class KeyDiff(ScorePolicy):
     """Keys least similar to the head's mean key direction, optionally plus sink and recent window."""
 
     name: ClassVar[str] = "keydiff"
+    READS_VALUES: ClassVar[bool] = False
     KEEPS: ClassVar[str] = "keys least cosine-similar to the head's mean key (+ optional sink/window)"
     PAPER: ClassVar[str] = "Park et al. 2025"
     TEST_PARAMS: ClassVar[Mapping[str, Any]] = {"ratio": 0.25, "sink": 4, "window": 8}

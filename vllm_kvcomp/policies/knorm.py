@@ -22,6 +22,7 @@ class KNorm(HeadsChoice, ScorePolicy):
     """Lowest key norms, optionally plus sink and recent window."""
 
     name: ClassVar[str] = "knorm"
+    READS_VALUES: ClassVar[bool] = False
     KEEPS: ClassVar[str] = "keys with the lowest L2 norm (+ optional sink/window)"
     PAPER: ClassVar[str] = "Devoto et al. 2024"
     TEST_PARAMS: ClassVar[Mapping[str, Any]] = {"ratio": 0.25, "sink": 4, "window": 8}

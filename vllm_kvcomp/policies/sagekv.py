@@ -67,6 +67,7 @@ class SageKV(ScorePolicy):
     """Sink B/4 + union of per-query-head top-k (last-token attention) + recent window."""
 
     name: ClassVar[str] = "sagekv"
+    READS_VALUES: ClassVar[bool] = False
     KEEPS: ClassVar[str] = (
         "sink B/4 + union of per-query-head top-k of the last token + recent (recompresses)")
     PAPER: ClassVar[str] = "Wang et al. 2025 (paper 001)"

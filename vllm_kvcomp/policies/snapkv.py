@@ -40,6 +40,7 @@ class SnapKV(HeadsChoice, ScorePolicy):
     """Observation-window voting with pooling; ``window`` queries observe and are kept."""
 
     name: ClassVar[str] = "snapkv"
+    READS_VALUES: ClassVar[bool] = False
     KEEPS: ClassVar[str] = "tokens the last `window` queries attend to most (pooled) + that window"
     PAPER: ClassVar[str] = "Li et al. 2024"
     TEST_PARAMS: ClassVar[Mapping[str, Any]] = {"ratio": 0.5, "window": 8}

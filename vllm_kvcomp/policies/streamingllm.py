@@ -20,6 +20,7 @@ class StreamingLLM(ScorePolicy):
     """Sink + recent window, same count per head."""
 
     name: ClassVar[str] = "streamingllm"
+    READS_VALUES: ClassVar[bool] = False
     KEEPS: ClassVar[str] = "first `sink` + most recent tokens"
     PAPER: ClassVar[str] = "Xiao et al. 2023"
     TEST_PARAMS: ClassVar[Mapping[str, Any]] = {"ratio": 0.5, "sink": 4, "interval": 4}

@@ -53,6 +53,7 @@ class TOVA(ScorePolicy):
     """Last-query attention, averaged over the layer's (or group's) query heads; fixed budget."""
 
     name: ClassVar[str] = "tova"
+    READS_VALUES: ClassVar[bool] = False
     KEEPS: ClassVar[str] = "tokens the last query attends to most, head-averaged (recompresses)"
     PAPER: ClassVar[str] = "Oren et al. 2024"
     TEST_PARAMS: ClassVar[Mapping[str, Any]] = {"ratio": 0.5, "interval": 4}
