@@ -92,9 +92,8 @@ class TableLayout:
     groups: list[int]  # per layer: the first layer whose heads are all as long (kernel schedules shared)
 
     @classmethod
-    def of(cls, tables: list[torch.Tensor], requests: list[CompressedRequest], block_size: int,
+    def of(cls, tables: list[torch.Tensor], requests: list[CompressedRequest], block_size: int, num_layers: int,
            device: torch.device) -> TableLayout:
-        num_layers = tables[0].shape[0] if tables else 0
         width = max((t.shape[2] for t in tables), default=0)
         padded = [torch.nn.functional.pad(t, (0, width - t.shape[2])) for t in tables]
         joined = torch.cat(padded, dim=1) if padded else torch.zeros(num_layers, 0, 1, dtype=torch.long)
@@ -315,7 +314,7 @@ class KVCompWorker:
             requests.append(state)
         layout = self._layout
         if layout is None or not layout.holds(tables):
-            layout = self._layout = TableLayout.of(tables, requests, self.block_size, self.cache.device)
+            layout = self._layout = TableLayout.of(tables, requests, self.block_size, self.num_layers, self.cache.device)
         device = self.cache.device
         all_lengths = layout.base + torch.tensor(ends, dtype=torch.long).repeat_interleave(heads)  # [L, S]
         memos: dict[int, dict[str, object]] = {}
