@@ -92,13 +92,12 @@ class TableLayout:
     groups: list[int]  # per layer: the first layer whose heads are all as long (kernel schedules shared)
 
     @classmethod
-    def of(cls, tables: list[torch.Tensor], requests: list[CompressedRequest], block_size: int, num_layers: int,
+    def of(cls, tables: list[torch.Tensor], requests: list[CompressedRequest], num_layers: int,
            device: torch.device) -> TableLayout:
         width = max((t.shape[2] for t in tables), default=0)
         padded = [torch.nn.functional.pad(t, (0, width - t.shape[2])) for t in tables]
         joined = torch.cat(padded, dim=1) if padded else torch.zeros(num_layers, 0, 1, dtype=torch.long)
-        # RequestPages.lengths(seq_len) = counts * bs + seq_len - tail_col * bs
-        base = [(s.pages.counts - s.pages.tail_col) * block_size for s in requests]
+        base = [s.pages.lengths(0) for s in requests]  # lengths(seq_len) = lengths(0) + seq_len
         base = torch.cat(base, dim=1) if base else torch.zeros(num_layers, 0, dtype=torch.long)
         first: dict[tuple[int, ...], int] = {}
         groups = [first.setdefault(tuple(row), layer) for layer, row in enumerate(base.tolist())]
@@ -314,7 +313,7 @@ class KVCompWorker:
             requests.append(state)
         layout = self._layout
         if layout is None or not layout.holds(tables):
-            layout = self._layout = TableLayout.of(tables, requests, self.block_size, self.num_layers, self.cache.device)
+            layout = self._layout = TableLayout.of(tables, requests, self.num_layers, self.cache.device)
         device = self.cache.device
         all_lengths = layout.base + torch.tensor(ends, dtype=torch.long).repeat_interleave(heads)  # [L, S]
         memos: dict[int, dict[str, object]] = {}
