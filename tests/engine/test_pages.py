@@ -57,7 +57,8 @@ class SimRequest:
         return out
 
     def compress(self) -> int:
-        """Keep a random page-rounded subset per head; returns columns freed."""
+        """Keep a random page-rounded subset per head (or all but one random run); returns
+        columns freed."""
         residue = self.length % BS
         kept = []
         for layer in range(L):
@@ -66,7 +67,11 @@ class SimRequest:
                 live = len(self.expected[layer][head])
                 choices = [k for k in range(residue, live + 1, BS)]
                 k = self.rng.choice(choices)
-                idx = sorted(self.rng.sample(range(live), k))
+                if self.rng.random() < 0.5:
+                    idx = sorted(self.rng.sample(range(live), k))
+                else:  # one evicted run, as a window sliding in decode evicts (whole pages then stay put)
+                    start = self.rng.randrange(k + 1)
+                    idx = list(range(start)) + list(range(start + live - k, live))
                 kept[layer].append(torch.tensor(idx, dtype=torch.long))
                 self.expected[layer][head] = [self.expected[layer][head][i] for i in idx]
         before = self.pages.first_live_col
@@ -156,3 +161,32 @@ def test_each_head_packs_into_its_own_pages_first():
         for head in range(H):
             c = counts[layer][head]
             assert pages.packed[layer, head, : min(c, 3)].tolist() == own[layer, head, : min(c, 3)].tolist()
+
+
+def test_a_decode_recompression_moves_only_the_pages_it_must():
+    """After 6 packed pages per head, a page of decode and an eviction of one page's worth of
+    cells from the middle: every whole page past the evicted run stays where it is (as does the
+    last kept cell, already in the tail). What moves is the oldest column's page (its column
+    goes back) and the one cell the run's page needs from before it: BS + 1 cells per head, not
+    every kept cell."""
+    req = SimRequest(4)
+    req.append(12 * BS + 1)
+    kept = [[torch.arange(6 * BS + 1) + 6 * BS for _ in range(H)] for _ in range(L)]
+    move, req.pages = req.pages.compact(kept, torch.tensor(req.blocks), req.length)
+    req.cells[move.dst_pages, move.dst_offsets] = req.cells[move.src_pages, move.src_offsets].clone()
+    req.expected = [[list(range(6 * BS, 12 * BS + 1)) for _ in range(H)] for _ in range(L)]
+    req.append(BS)
+    assert req.read() == req.expected
+    evicted = torch.arange(2 * BS + 1, 3 * BS + 1)
+    live = 7 * BS + 1
+    keep = torch.tensor([i for i in range(live) if i not in set(evicted.tolist())])
+    kept = [[keep for _ in range(H)] for _ in range(L)]
+    req.expected = [[[held[i] for i in keep.tolist()] for held in layer] for layer in req.expected]
+    before = req.pages.first_live_col
+    move, req.pages = req.pages.compact(kept, torch.tensor(req.blocks), req.length)
+    req.cells[move.dst_pages, move.dst_offsets] = req.cells[move.src_pages, move.src_offsets].clone()
+    assert req.pages.first_live_col == before + 1
+    for block in req.blocks[before : req.pages.first_live_col]:
+        req.cells[req.geometry.page_ids(torch.tensor([block])).flatten()] = -7
+    assert len(move) == L * H * (BS + 1)
+    assert req.read() == req.expected

@@ -168,16 +168,16 @@ class RequestPages:
         if destination is not None and len(destination) != needed:
             raise ValueError(f"{needed} destination blocks needed, {len(destination)} given")
         targets = block_ids[first:growth] if destination is None else torch.as_tensor(destination, dtype=torch.long)
-        packed = assign_pages(g.page_ids(targets), pages)
         heads = g.num_layers * g.num_kv_heads
         counts = torch.tensor([len(idx) for layer in kept for idx in layer], dtype=torch.long)  # [L*H]
         idx = torch.cat([torch.as_tensor(i, dtype=torch.long) for layer in kept for i in layer])  # kept, head-major
+        old_tables = self.tables(block_ids, end).view(heads, -1)
+        first_kept = torch.cumsum(counts, 0) - counts
+        packed = self._repack(g.page_ids(targets), pages, idx, first_kept, old_tables)
         own = torch.nn.functional.pad(packed, (0, 1), value=NO_PAGE).view(heads, -1)  # [L*H, M+1]
         if residue:  # the last `residue` kept cells stay in the head's page of block `growth`
             own.scatter_(1, pages.view(heads, 1), g.page_ids(block_ids[growth : growth + 1]).view(heads, 1))
-        old_tables = self.tables(block_ids, end).view(heads, -1)
         old_positions = self.positions(end).view(heads, -1)  # right-aligned: virtual index v at v + N - length
-        first_kept = torch.cumsum(counts, 0) - counts
         rows = torch.arange(heads)
         padding = old_positions.shape[1] - self.lengths(end).flatten()
         # every per-head quantity repeated for each of the head's kept cells, in one pass: [4, n]
@@ -192,6 +192,41 @@ class RequestPages:
         moved = (move.src_pages != move.dst_pages) | (move.src_offsets != move.dst_offsets)
         move = Move(move.src_pages[moved], move.src_offsets[moved], move.dst_pages[moved], move.dst_offsets[moved])
         return move, RequestPages(g, packed, pages, positions, tail_col=growth, first_live_col=first)
+
+    def _repack(self, region: torch.Tensor, pages: torch.Tensor, idx: torch.Tensor, first_kept: torch.Tensor,
+                old_tables: torch.Tensor) -> torch.Tensor:
+        """[L, H, max pages] packed page ids of the new layout, from the pages ``region`` [L, H, K]
+        of the packed columns. A new packed page whose ``bs`` kept cells are one whole old page
+        of the region, at the same offsets, stays where it is (nothing moves: after a decode
+        recompression that evicted a run of whole pages' worth of cells, every page past the
+        run); the others take the region's remaining pages, each head its own first
+        (:func:`assign_pages`). ``idx`` [n]: every head's kept virtual indices, head-major,
+        head ``i``'s from ``first_kept[i]``; ``old_tables`` [L*H, W] the current tables."""
+        bs, heads = self.geometry.block_size, region.shape[0] * region.shape[1]
+        per_head = pages.flatten()
+        total = int(per_head.sum())
+        if total == 0:
+            return torch.full((*pages.shape, 0), NO_PAGE, dtype=torch.long)
+        head = torch.repeat_interleave(torch.arange(heads), per_head)  # [P] each new page's head
+        j = torch.arange(total) - torch.repeat_interleave(torch.cumsum(per_head, 0) - per_head, per_head)
+        start = first_kept[head] + j * bs  # each new page's first kept cell in idx
+        src_first, src_last = idx[start], idx[start + bs - 1]
+        src_page = old_tables[head, src_first // bs]
+        whole = (src_first % bs == 0) & (src_last - src_first == bs - 1)  # sorted, distinct: one whole old page
+        stays = whole & torch.isin(src_page, region.flatten())
+        flat = region.reshape(heads, -1)
+        free = ~torch.isin(flat, src_page[stays])  # [L*H, K] region pages nobody stays in
+        wanted = torch.bincount(head[~stays], minlength=heads)  # [L*H] pages each head still needs
+        free_first = torch.argsort((~free).to(torch.int8), dim=1, stable=True)  # free pages first, block order
+        assigned = assign_pages(flat.gather(1, free_first).view(region.shape), wanted.view(pages.shape),
+                                free.sum(1).view(pages.shape))  # [L, H, max wanted]
+        packed = torch.full((heads, int(per_head.max())), NO_PAGE, dtype=torch.long)
+        packed[head[stays], j[stays]] = src_page[stays]
+        moving = ~stays
+        rank = torch.cumsum(moving.long(), 0) - 1 - torch.repeat_interleave(
+            torch.cumsum(wanted, 0) - wanted, per_head)  # among the head's pages that move
+        packed[head[moving], j[moving]] = assigned.view(heads, -1)[head[moving], rank[moving]]
+        return packed.view(*pages.shape, -1)
 
     def _held_positions(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per head [L*H]: how many kept positions it holds (the first of its virtual sequence),
@@ -212,21 +247,22 @@ class RequestPages:
         return torch.cat([p for layer in self.kept_positions for p in layer] + [torch.zeros(1, dtype=torch.long)])
 
 
-def assign_pages(own: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def assign_pages(own: torch.Tensor, counts: torch.Tensor, available: torch.Tensor | None = None) -> torch.Tensor:
     """[L, H, max count] packed page ids (``NO_PAGE`` past each count) of heads that need
     ``counts`` [L, H] pages, from the K blocks whose pages ``own`` [L, H, K] are (sum of counts
     <= L * H * K). Each head fills its own page of those blocks first, in block order (the
     layout vLLM's kernel reads for an uncompressed request: one stride through the head's own
     slots, not a jump between layers per page); a head that needs more than K takes the pages
-    other heads leave, in (layer, head, block) order."""
+    other heads leave, in (layer, head, block) order. ``available`` [L, H]: only each head's
+    first that many pages of ``own`` may be used (default all K)."""
     k = own.shape[2]
     width = int(counts.max()) if counts.numel() else 0
-    mine = torch.arange(k) < counts.unsqueeze(-1)  # [L, H, K] own pages in use
+    usable = torch.arange(k) < (torch.full_like(counts, k) if available is None else available).unsqueeze(-1)
+    used = torch.minimum(counts, usable.sum(-1))  # [L, H] own pages each head takes
+    mine = torch.arange(k) < used.unsqueeze(-1)  # [L, H, K]
+    slot = torch.arange(width)
     packed = torch.full((*counts.shape, width), NO_PAGE, dtype=torch.long)
-    packed[..., :k] = torch.where(mine, own, NO_PAGE)[..., :width]
-    extra = (counts - k).clamp(min=0)  # [L, H] pages beyond the head's own
-    wanted = torch.arange(width - k) < extra.unsqueeze(-1) if width > k else None
-    if wanted is not None and bool(wanted.any()):
-        tail = packed[..., k:]
-        tail[wanted] = own[~mine][: int(extra.sum())]
+    packed[slot < used.unsqueeze(-1)] = own[mine]
+    beyond = (slot >= used.unsqueeze(-1)) & (slot < counts.unsqueeze(-1))  # pages beyond the head's own
+    packed[beyond] = own[usable & ~mine][: int(beyond.sum())]
     return packed

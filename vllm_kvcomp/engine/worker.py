@@ -107,6 +107,20 @@ class TableLayout:
         return len(tables) == len(self.tables) and all(a is b for a, b in zip(tables, self.tables))
 
 
+def _right_aligned(read: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """[H, width, D] of one layer's heads read left-aligned ``read`` [H, S, D] (head h's
+    ``lengths[h]`` cells first), right-aligned with zeros on the left. A view when every head
+    is ``width`` long, else one row gather."""
+    if bool((lengths == width).all()):
+        return read[:, :width]
+    heads, cells, dim = read.shape
+    virtual = torch.arange(width) - (width - lengths.unsqueeze(1))  # [H, width]; < 0: padding
+    rows = (torch.arange(heads).unsqueeze(1) * cells + virtual.clamp(min=0)).flatten().to(read.device)
+    out = read.reshape(-1, dim).index_select(0, rows)
+    out.index_fill_(0, torch.nonzero(virtual.flatten() < 0).flatten().to(read.device), 0)
+    return out.view(heads, width, dim)
+
+
 def _contiguous(rows: list[Row], heads: int) -> slice | None:
     """The slice of ``query.view(-1, G, D)`` that the rows' sequences read, when it is one run:
     one query per row and adjacent rows (decode), sequence (row, head) = row.lo * heads + head.
@@ -390,30 +404,18 @@ class KVCompWorker:
         lengths and positions on the host."""
         tables, lengths = state.pages.tables(block_ids, end), state.pages.lengths(end)  # [L, H, W], [L, H]
         n = int(lengths.max())
-        reads_values = state.policy.READS_VALUES
-        if bool((lengths == n).all()):  # every head equally long (e.g. the first compression)
-            # a head's virtual sequence is its table's pages in order: read whole pages, one gather
-            full_k, full_v = self.cache.read_pages(tables.to(self.cache.device), reads_values)  # [L, H, W * bs, D]
-            full_k, full_v = full_k[:, :, :n], None if full_v is None else full_v[:, :, :n]
-        else:  # right-aligned per head: each live cell read where it lands (one gather), zeros on the left
-            virtual = torch.arange(n) - (n - lengths.unsqueeze(-1))  # [L, H, N]; < 0: left padding
-            cell = virtual.clamp(min=0).flatten(0, 1)  # [L·H, N]
-            pages = tables.flatten(0, 1).gather(1, cell // self.block_size)
-            device = self.cache.device
-            keys, values = self.cache.read_cells(pages.flatten().to(device), (cell % self.block_size).flatten().to(device),
-                                                 reads_values)
-            pad = torch.nonzero(virtual.flatten() < 0).flatten().to(device)
-            shape = (*lengths.shape, n, keys.shape[-1])
-            full_k = keys.index_fill_(0, pad, 0).view(shape)
-            full_v = None if values is None else values.index_fill_(0, pad, 0).view(shape)
+        # a head's virtual sequence is its table's pages in order: read whole pages, one gather
+        # (a cell-by-cell gather of heads of unequal lengths cost ~3x as much per cell)
+        full_k, full_v = self.cache.read_pages(tables.to(self.cache.device), state.policy.READS_VALUES)  # [L, H, W·bs, D]
         every_position = state.pages.positions(end)  # [L, H, n], right-aligned like the K/V
         inputs = []
         for layer, width in enumerate(lengths.amax(dim=1).tolist()):
             positions = every_position[layer, :, n - width :].contiguous()
             window = state.windows[layer]
             queries = None if window.queries is None else window.queries.transpose(0, 1)
+            keys, values = (None if x is None else _right_aligned(x[layer], lengths[layer], width) for x in (full_k, full_v))
             inputs.append(LayerKV(  # layers by model index
-                keys=full_k[layer, :, n - width :], values=None if full_v is None else full_v[layer, :, n - width :],
+                keys=keys, values=values,
                 layer=self.model_layers[layer], num_layers=self.num_model_layers, lengths=lengths[layer],
                 positions=positions, queries=queries,
                 query_positions=window.positions, scale=self.variants[layer].scale,
