@@ -21,6 +21,12 @@ Since every head's live length is ``≡ end (mod bs)``, a recompression never ne
 than the previous one left (``G - K`` never decreases). A request therefore holds
 ``ceil(sum_lh m / (L * H))`` blocks plus its tail, which grows by one block every ``bs`` decode
 steps, exactly as vLLM's own accounting expects.
+
+Inside those columns a packed page whose ``bs`` kept tokens are one whole page already there, at
+the same offsets, stays put; only the other pages are written. A decode recompression that
+evicts a run of cells (a sliding window, every ``bs`` steps) therefore moves the pages of the
+column that goes back and the cells around the run, not every kept token (at 8K, ~2 of ~63
+pages per head).
 """
 
 from __future__ import annotations
