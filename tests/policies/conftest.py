@@ -147,10 +147,15 @@ class FakeRequest:
     def layers(self, window: int, out_proj: bool = False, values: bool = True) -> list[LayerKV]:
         return [self.layer_kv(i, window, out_proj, values) for i in range(self.num_layers)]
 
-    def inputs(self, policy: Policy) -> list[LayerKV]:
+    def inputs(self, policy: Policy, state: RequestState | None = None) -> list[LayerKV]:
         """Every layer as the engine gives it to ``policy``: its window of queries, the output
-        projection if it asks (``NEEDS_OUT_PROJ``), no values unless it reads them (``READS_VALUES``)."""
-        return self.layers(policy.queries_needed(), policy.NEEDS_OUT_PROJ, policy.READS_VALUES)
+        projection if it asks (``NEEDS_OUT_PROJ``), no values unless it reads them (``READS_VALUES``),
+        NaN keys and no values when its next decision with ``state`` reads neither (``reads_cache``)."""
+        layers = self.layers(policy.queries_needed(), policy.NEEDS_OUT_PROJ, policy.READS_VALUES)
+        if state is not None and not policy.reads_cache(state):
+            for kv in layers:
+                kv.keys, kv.values = torch.full_like(kv.keys, float("nan")), None
+        return layers
 
     def apply(self, selections: list[Selection]) -> None:
         """Compact every head to exactly the selected slots, in order."""
@@ -239,7 +244,7 @@ def compressions(policy: Policy, request: FakeRequest, decode_steps: int = 0) ->
             steps_since += 1
             if not (policy.recompresses and policy.due(state, request.max_live(), steps_since)):
                 continue
-        layers = request.inputs(policy)
+        layers = request.inputs(policy, state)
         selections = policy.decide(layers, state)
         yield Compression(layers, selections, state, [[n + step for n in heads] for heads in prompt])
         request.apply(selections)

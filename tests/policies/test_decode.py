@@ -93,3 +93,27 @@ def test_interval_spaces_the_recompressions(name, fake_request):
     done = list(compressions(make_policy(name, interval=every, **decode), fake_request(64, 2, 3, seed=6),
                              decode_steps=steps))
     assert 2 <= len(done) <= 1 + steps // every
+
+
+@pytest.mark.parametrize("name", recompressing_policy_names())
+def test_a_decision_that_reads_no_cache_does_not_need_it(name, fake_request, monkeypatch):
+    """``reads_cache`` False (the engine then gives NaN keys and no values): the decisions of a
+    prompt and its decode recompressions equal those made with the real keys and values, for
+    every policy that recompresses; the sliding policies do skip the reads."""
+    decode = {} if get_policy_class(name).RECOMPRESSES else {"decode": "recompress"}
+    params = {"interval": 4} if "interval" in get_policy_class(name).accepted_params() else {}
+
+    def run(policy):
+        return [[idx.tolist() for sel in each.selections for idx in sel.indices]
+                for each in compressions(policy, fake_request(64, 2, 3, seed=7), decode_steps=40)]
+
+    policy = make_policy(name, **decode, **params)
+    skipped = []
+    reads_cache = type(policy).reads_cache
+    monkeypatch.setattr(type(policy), "reads_cache",
+                        lambda self, state: skipped.append(not reads_cache(self, state)) or reads_cache(self, state))
+    unread = run(policy)
+    monkeypatch.setattr(type(policy), "reads_cache", lambda self, state: True)
+    assert len(unread) >= 3 and unread == run(make_policy(name, **decode, **params))
+    if name in ("streamingllm", "sagekv", "entropy"):
+        assert sum(skipped) >= 2  # every decode recompression

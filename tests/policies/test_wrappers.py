@@ -155,6 +155,12 @@ def test_wrapper_recompresses_as_its_inner_policy_says():
     assert not AdaptiveHeads(H2O(budget=8, decode="keep")).recompresses
 
 
+def test_wrapper_reads_what_its_inner_policy_reads():
+    """The engine reads values back (half a recompression's bytes) only for a policy that reads them."""
+    assert not AdaptiveHeads(KNorm()).READS_VALUES
+    assert not LayerBudgets(SnapKV(), budgets=(5, 20)).READS_VALUES
+
+
 def test_wrapper_needs_a_score_policy():
     with pytest.raises(SpecError, match="inner"):
         AdaptiveHeads(None)

@@ -404,16 +404,23 @@ class KVCompWorker:
         lengths and positions on the host."""
         tables, lengths = state.pages.tables(block_ids, end), state.pages.lengths(end)  # [L, H, W], [L, H]
         n = int(lengths.max())
-        # a head's virtual sequence is its table's pages in order: read whole pages, one gather
-        # (a cell-by-cell gather of heads of unequal lengths cost ~3x as much per cell)
-        full_k, full_v = self.cache.read_pages(tables.to(self.cache.device), state.policy.READS_VALUES)  # [L, H, W·bs, D]
+        reads = state.policy.reads_cache(state.policy_state)
+        if reads:  # a head's virtual sequence is its table's pages in order: read whole pages, one gather
+            # (a cell-by-cell gather of heads of unequal lengths cost ~3x as much per cell)
+            full_k, full_v = self.cache.read_pages(tables.to(self.cache.device), state.policy.READS_VALUES)  # [L, H, W·bs, D]
+        else:  # positions suffice (Policy.reads_cache): keys of the right shape, NaN, nothing read
+            unread = torch.full((1, 1, 1), float("nan"), dtype=self.cache.dtype, device=self.cache.device)
         every_position = state.pages.positions(end)  # [L, H, n], right-aligned like the K/V
         inputs = []
         for layer, width in enumerate(lengths.amax(dim=1).tolist()):
             positions = every_position[layer, :, n - width :].contiguous()
             window = state.windows[layer]
             queries = None if window.queries is None else window.queries.transpose(0, 1)
-            keys, values = (None if x is None else _right_aligned(x[layer], lengths[layer], width) for x in (full_k, full_v))
+            if reads:
+                keys, values = (None if x is None else _right_aligned(x[layer], lengths[layer], width)
+                                for x in (full_k, full_v))
+            else:
+                keys, values = unread.expand(lengths.shape[1], width, self.cache.head_dim), None
             inputs.append(LayerKV(  # layers by model index
                 keys=keys, values=values,
                 layer=self.model_layers[layer], num_layers=self.num_model_layers, lengths=lengths[layer],

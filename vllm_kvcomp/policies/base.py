@@ -664,6 +664,12 @@ class Policy:
         """How many trailing queries per layer the policy reads (0 = attention-free)."""
         return 0
 
+    def reads_cache(self, state: RequestState) -> bool:
+        """Whether the next :meth:`decide` with ``state`` reads the cache's keys (and values, with
+        ``READS_VALUES``). False when it needs only lengths and positions (a window sliding past
+        pinned tokens): the engine then reads nothing back and its ``LayerKV.keys`` are NaN."""
+        return True
+
     def budgets_on_pages(self) -> bool:
         """Whether the policy gives layers or heads budgets of their own and moves those onto the
         engine's page grid with their sum kept (:func:`snap_to_pages`): one may then keep fewer

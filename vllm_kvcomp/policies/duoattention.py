@@ -55,6 +55,7 @@ class DuoAttention(HeadSplit):
     IMPLICIT_DEFAULTS: ClassVar[Mapping[str, str]] = {**HeadSplit.IMPLICIT_DEFAULTS, "sparsity": "gate ≥ profile threshold"}
     PROFILE: ClassVar[str | None] = "duoattention"
     STREAMS: ClassVar[bool] = True
+    READS_VALUES: ClassVar[bool] = False
     FIT_HINT: ClassVar[str] = "a larger sparsity (fewer retrieval heads), or exact=1 for the paper's sink + recent"
     PARAMS: ClassVar[dict[str, Param]] = {
         "recent": Param(

@@ -130,6 +130,7 @@ class EntropyBudget(Policy):
     PAPER: ClassVar[str] = "paper 002"
     TEST_PARAMS: ClassVar[Mapping[str, Any]] = {"ratio": 0.5, "window": 8, "interval": 4}
     RECOMPRESSES: ClassVar[bool] = True
+    READS_VALUES: ClassVar[bool] = False
     PARAMS: ClassVar[dict[str, Param]] = {
         "min_ratio": Param("min_ratio", float, 0.25, 0.0, 1.0, help="smallest layer budget / average budget"),
         "max_ratio": Param("max_ratio", float, 2.0, 1.0, 64.0, help="largest layer budget / average budget"),
@@ -155,6 +156,10 @@ class EntropyBudget(Policy):
     def mean_kept_bound(self, prompt_len: int, num_heads: int | None = None) -> int | None:
         """The layer budgets sum to (layers) x target (:func:`entropy_budgets`)."""
         return self.target_budget(prompt_len)
+
+    def reads_cache(self, state: RequestState) -> bool:
+        memories = state.memories(EntropyMemory)  # once every layer has its budget, the window only slides
+        return not memories or any(memory.budget is None for memory in memories)
 
     def select(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
         if layers and all(state.layer(kv.layer, EntropyMemory).budget is not None for kv in layers):

@@ -118,6 +118,7 @@ class POD(Policy):
     PROFILE: ClassVar[str | None] = "pod"
     #: the gated heads' unused budget is shared out once; a second pass would share it again
     CAN_RECOMPRESS: ClassVar[bool] = False
+    READS_VALUES: ClassVar[bool] = False
     PARAMS: ClassVar[dict[str, Param]] = {
         "tau": Param("tau", float, 0.9, 0.0, 1.0, help="gate threshold: drop distant tokens when g >= tau"),
         "observe": Param("observe", int, 16, 1, 4096, help="trailing prompt queries that score and gate"),

@@ -78,6 +78,7 @@ class PyramidKV(Policy):
     KEEPS: ClassVar[str] = "SnapKV per layer, budgets decreasing linearly with depth (mean = `ratio`)"
     PAPER: ClassVar[str] = "Cai et al. 2024"
     TEST_PARAMS: ClassVar[Mapping[str, Any]] = {"ratio": 0.5, "window": 8}
+    READS_VALUES: ClassVar[bool] = False
     PARAMS: ClassVar[dict[str, Param]] = {
         **SnapKV.PARAMS,
         "beta": Param("beta", int, 20, 1, 1024,

@@ -115,6 +115,10 @@ class SageKV(ScorePolicy):
         top_attn = last.view(kv.num_kv_heads, group, -1).amax(dim=1)
         return (-best_rank + 0.5 * top_attn).cpu()
 
+    def reads_cache(self, state: RequestState) -> bool:
+        memories = state.memories(SageKVMemory)  # once every layer is pinned, the window only slides
+        return not memories or any(memory.pinned is None for memory in memories)
+
     def select(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
         """The top-k by score (:meth:`ScorePolicy.select`) for layers not yet pinned; a pinned
         layer keeps its pins and the recent window slides."""

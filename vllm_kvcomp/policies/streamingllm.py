@@ -32,6 +32,9 @@ class StreamingLLM(ScorePolicy):
     sink: int = 4
     interval: int = field(default=16, kw_only=True)
 
+    def reads_cache(self, state: RequestState) -> bool:
+        return False  # positions only
+
     def score(self, kv: LayerKV, state: RequestState) -> torch.Tensor:
         """[H_kv, N] recency: the logical position (later = kept)."""
         return kv.slot_positions().float()
