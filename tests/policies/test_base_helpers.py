@@ -69,6 +69,18 @@ def test_keep_pinned():
     assert scores.shape == (1, 12) and bool(scores[0, 4] > scores[0, 11] > scores[0, 10])
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_keep_pinned_orders_its_priority_as_a_sort_would(seed):
+    """The order keep_pinned sets without sorting is the one sorting its scores gives (the pick
+    and the page rounding read it)."""
+    gen = torch.Generator().manual_seed(seed)
+    heads, n = 3, 300 + seed
+    kv = LayerKV(torch.zeros(heads, n, 2), None, lengths=torch.randint(1, n + 1, (heads,), generator=gen))
+    pinned = torch.rand(heads, n, generator=gen) < 0.2
+    _, priority = keep_pinned(kv, pinned, 4, 50)
+    assert torch.equal(priority.order, base.ranked_slots(priority.scores))
+
+
 def test_page_rounding_adds_the_next_best_live_slots():
     quantum = (4, 3)  # kept counts must be ≡ 3 (mod 4)
     priority = torch.tensor([[9.0, 0, 5, 1, 7, 7, 2, 0], [0, 0, 0, 0, 1, 1, 3, 3]])
@@ -197,6 +209,25 @@ def test_round_to_pages_matches_one_head_at_a_time(seed, with_priority):
     assert [idx.tolist() for idx in got.indices] == want
     assert got.priority is pick.priority
     assert all(got.indices[h] is picks[h] for h in range(4) if len(want[h]) == len(picks[h]))  # untouched heads
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rounding_several_layers_at_once_matches_one_head_at_a_time(seed):
+    """Layers of two widths, with and without a priority, one needing nothing: each rounded as
+    on its own (the layers of one width share one pass)."""
+    layers, picks, want = [], [], []
+    for layer, (n, with_priority) in enumerate([(37, True), (37, False), (45, True), (37, True)]):
+        gen, scores, lengths = random_layer(seed * 7 + layer, n=n)
+        taking = (lambda length: int(length)) if layer == 3 else (lambda length: int(length) // 3)  # 3: all kept
+        idx = [torch.sort(torch.randperm(int(length), generator=gen)[: taking(length)]).values + n - int(length)
+               for length in lengths]
+        priority = scores if with_priority else None
+        layers.append(LayerKV(torch.zeros(4, n, 2), None, lengths=lengths))
+        picks.append(Selection(idx, priority=priority))
+        want.append(reference_round_to_pages(idx, priority, lengths, n, (8, 5)))
+    got = base.round_to_pages_layers(picks, layers, (8, 5))
+    assert [[idx.tolist() for idx in sel.indices] for sel in got] == want
+    assert got[3] is picks[3]
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -350,18 +350,31 @@ def round_to_pages(pick: Selection, kv: LayerKV, quantum: tuple[int, int] | None
     its next-best live slots (``pick.priority``; the most recent where None). Free quality: the
     page is held anyway. The same object when nothing needs adding; a head that needs nothing
     keeps its own tensor."""
-    lengths, n = kv.valid_lengths(), kv.num_slots
-    counts = pick.counts()
-    extra = torch.tensor([page_count(int(c), int(length), quantum) for c, length in zip(counts, lengths)],
-                         dtype=torch.long) - counts
-    if not bool((extra > 0).any()):
-        return pick
-    taken = slot_mask(pick.indices, n)
-    free = kv.valid_mask() & ~taken
-    order = pick.priority.order if pick.priority is not None else torch.arange(n - 1, -1, -1).expand(len(counts), n)
-    rows = head_rows(taken | first_in_order(order, free, extra.clamp(min=0)))
-    out = [rows[h] if extra[h] > 0 else idx for h, idx in enumerate(pick.indices)]
-    return Selection(out, pick.compensation, pick.priority)
+    return round_to_pages_layers([pick], [kv], quantum)[0]
+
+
+def round_to_pages_layers(picks: Sequence[Selection], layers: Sequence[LayerKV],
+                          quantum: tuple[int, int] | None) -> list[Selection]:
+    """:func:`round_to_pages` of several layers, the layers of one width in one pass."""
+    out, widths = list(picks), {}
+    for i, (pick, kv) in enumerate(zip(picks, layers)):
+        counts = pick.counts()
+        extra = torch.tensor([page_count(int(c), int(length), quantum) for c, length in zip(counts, kv.valid_lengths())],
+                             dtype=torch.long) - counts
+        if bool((extra > 0).any()):
+            widths.setdefault(kv.num_slots, []).append((i, extra))
+    for n, rounded in widths.items():
+        taken = slot_mask([idx for i, _ in rounded for idx in picks[i].indices], n)  # [sum H, N]
+        free = torch.cat([layers[i].valid_mask() for i, _ in rounded]) & ~taken
+        order = torch.cat([picks[i].priority.order if picks[i].priority is not None
+                           else torch.arange(n - 1, -1, -1).expand(len(extra), n) for i, extra in rounded])
+        extra = torch.cat([extra for _, extra in rounded])
+        rows = iter(head_rows(taken | first_in_order(order, free, extra.clamp(min=0))))
+        for i, extra in rounded:
+            heads = [next(rows) for _ in extra]
+            out[i] = Selection([heads[h] if extra[h] > 0 else idx for h, idx in enumerate(picks[i].indices)],
+                               picks[i].compensation, picks[i].priority)
+    return out
 
 
 def live_mask(lengths: torch.Tensor, num_slots: int) -> torch.Tensor:
@@ -737,7 +750,7 @@ class Policy:
         picks = self.select(layers, state)
         most = max((len(idx) for pick in picks for idx in pick.indices), default=0)
         state.allotted = int(state.ranks.reduce(most, max))  # over every rank's heads
-        kept = [round_to_pages(pick, kv, state.page_quantum) for kv, pick in zip(layers, picks)]
+        kept = round_to_pages_layers(picks, layers, state.page_quantum)
         self.commit_kept(layers, state, picks, kept)
         return kept
 
@@ -933,11 +946,16 @@ def keep_pinned(kv: LayerKV, pinned: torch.Tensor, sink: int, keep: int) -> tupl
 
     pinned [H_kv, N] bool. For policies whose selected set stays while the recent window slides
     (SAGE-KV, entropy-guided budgets). Returns H_kv sorted index tensors of ``min(keep, length)``
-    and the priority [H_kv, N] they were ranked by (pinned first, then recency).
+    and the priority [H_kv, N] they were ranked by (pinned first, then recency), its order made
+    without a sort: the pinned slots latest first, then the others latest first.
     """
-    n = kv.num_slots
+    n, pinned = kv.num_slots, pinned.to(torch.bool).cpu()
     recency = torch.arange(n, dtype=torch.float32) / max(n, 1)
     priority = Ranking(recency.expand(kv.num_kv_heads, -1) + 2.0 * pinned.float())
+    latest_first = pinned.flip(-1)  # column j: slot n - 1 - j
+    rank = torch.where(latest_first, latest_first.cumsum(1) - 1,
+                       (~latest_first).cumsum(1) - 1 + latest_first.sum(1, keepdim=True))  # its place in the order
+    priority.take_order(torch.empty_like(rank).scatter_(1, rank, torch.arange(n - 1, -1, -1).expand_as(rank)))
     return protected_topk(priority, keep, kv.valid_lengths(), sink, 0), priority
 
 
@@ -972,6 +990,7 @@ __all__ = [
     "protected_topk_layers",
     "reduce_gqa",
     "round_to_pages",
+    "round_to_pages_layers",
     "visible_softmax",
     "window_attention",
 ]
