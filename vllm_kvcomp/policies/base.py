@@ -368,8 +368,8 @@ def round_to_pages_layers(picks: Sequence[Selection], layers: Sequence[LayerKV],
         free = torch.cat([layers[i].valid_mask() for i, _ in rounded]) & ~taken
         order = torch.cat([picks[i].priority.order if picks[i].priority is not None
                            else torch.arange(n - 1, -1, -1).expand(len(extra), n) for i, extra in rounded])
-        extra = torch.cat([extra for _, extra in rounded])
-        rows = iter(head_rows(taken | first_in_order(order, free, extra.clamp(min=0))))
+        extras = torch.cat([extra for _, extra in rounded])  # [sum H]
+        rows = iter(head_rows(taken | first_in_order(order, free, extras.clamp(min=0))))
         for i, extra in rounded:
             heads = [next(rows) for _ in extra]
             out[i] = Selection([heads[h] if extra[h] > 0 else idx for h, idx in enumerate(picks[i].indices)],
