@@ -1,4 +1,4 @@
-"""Helpers added to the policy base: SlotMemory, keep_pinned, target_budget, ScorePolicy hooks."""
+"""Helpers added to the policy base: SlotMemory, keep_pinned_layers, target_budget, ScorePolicy hooks."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from vllm_kvcomp.policies.base import (
     RequestState,
     Selection,
     SlotMemory,
-    keep_pinned,
+    keep_pinned_layers,
     page_count,
     protected_topk,
     round_to_pages,
@@ -19,7 +19,15 @@ from vllm_kvcomp.policies.base import (
 from vllm_kvcomp.policies.streamingllm import StreamingLLM
 
 
-def test_slot_memory_follows_positions():
+@pytest.fixture(params=["table", "search"])
+def lookup_by(request, monkeypatch) -> str:
+    """SlotMemory.lookup by its position table, or by binary search (a table too large)."""
+    if request.param == "search":
+        monkeypatch.setattr(base, "DENSE_LOOKUP", 0)
+    return request.param
+
+
+def test_slot_memory_follows_positions(lookup_by):
     values = torch.arange(12, dtype=torch.float32).view(2, 6)
     positions = torch.tensor([[-1, -1, 3, 5, 8, 9], [10, 11, 12, 13, 14, 15]])
     memory = SlotMemory.kept(values, positions, [torch.tensor([3, 5]), torch.tensor([0, 2, 4])])
@@ -63,22 +71,74 @@ def test_keep_pinned():
     kv = LayerKV(torch.zeros(1, 12, 2), torch.zeros(1, 12, 2))
     pinned = torch.zeros(1, 12, dtype=torch.bool)
     pinned[0, [4, 6]] = True
-    chosen, priority = keep_pinned(kv, pinned, 2, 7)
+    (chosen, priority), = keep_pinned_layers([kv], [pinned], [2], [7])
     assert chosen[0].tolist() == [0, 1, 4, 6, 9, 10, 11]
     scores = priority.scores
     assert scores.shape == (1, 12) and bool(scores[0, 4] > scores[0, 11] > scores[0, 10])
 
 
+def _random_layers(gen: torch.Generator, count: int, heads: int = 3) -> list[LayerKV]:
+    """``count`` layers of unequal widths; heads of random live lengths, positions out of slot order."""
+    layers = []
+    for i in range(count):
+        n = int(torch.randint(20, 300, (1,), generator=gen))
+        lengths = torch.randint(1, n + 1, (heads,), generator=gen)
+        lengths[i % heads] = n  # one head fills its layer
+        positions = torch.stack([torch.randperm(2 * n, generator=gen)[:n] for _ in range(heads)])
+        positions = positions.masked_fill(~base.live_mask(lengths, n), -1)
+        layers.append(LayerKV(torch.zeros(heads, n, 2), None, layer=i, lengths=lengths, positions=positions))
+    return layers
+
+
 @pytest.mark.parametrize("seed", range(4))
-def test_keep_pinned_orders_its_priority_as_a_sort_would(seed):
-    """The order keep_pinned sets without sorting is the one sorting its scores gives (the pick
-    and the page rounding read it)."""
+def test_keep_pinned_of_every_layer_at_once_is_its_definition_per_layer(seed):
+    """Per layer: priority = recency + 2·pinned (pinned first, then the most recent), its order
+    the one a sort of those scores gives though none is sorted, and the picks the sink plus the
+    best of that order up to ``keep``, as protected_topk of the sorted scores picks them."""
     gen = torch.Generator().manual_seed(seed)
-    heads, n = 3, 300 + seed
-    kv = LayerKV(torch.zeros(heads, n, 2), None, lengths=torch.randint(1, n + 1, (heads,), generator=gen))
-    pinned = torch.rand(heads, n, generator=gen) < 0.2
-    _, priority = keep_pinned(kv, pinned, 4, 50)
-    assert torch.equal(priority.order, base.ranked_slots(priority.scores))
+    layers = _random_layers(gen, 5)
+    pinned = [torch.rand(kv.num_kv_heads, kv.num_slots, generator=gen) < 0.2 for kv in layers]
+    sinks = torch.randint(0, 6, (5,), generator=gen).tolist()
+    keeps = torch.randint(1, 120, (5,), generator=gen).tolist()
+    out = keep_pinned_layers(layers, pinned, sinks, keeps)
+    for kv, pins, sink, keep, (chosen, priority) in zip(layers, pinned, sinks, keeps, out):
+        n = kv.num_slots
+        scores = (torch.arange(n, dtype=torch.float32) / n).expand(kv.num_kv_heads, -1) + 2.0 * pins.float()
+        assert torch.equal(priority.scores, scores)
+        assert torch.equal(priority.order, base.ranked_slots(scores))
+        expected = protected_topk(scores, keep, kv.valid_lengths(), sink, 0)
+        assert [c.tolist() for c in chosen] == [e.tolist() for e in expected]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_slot_memory_of_every_layer_at_once_matches_one_layer_at_a_time(seed, lookup_by):
+    """kept_layers and lookup_layers: the stacked rows give each layer what kept and lookup
+    give it alone (layers of unequal widths and kept counts, one layer keeping nothing)."""
+    gen = torch.Generator().manual_seed(seed)
+    layers = _random_layers(gen, 4)
+    values = [torch.randn(kv.num_kv_heads, kv.num_slots, generator=gen) for kv in layers]
+    indices = []
+    for i, kv in enumerate(layers):
+        counts = torch.minimum(kv.valid_lengths(), torch.randint(0, 60, (kv.num_kv_heads,), generator=gen))
+        counts = counts * int(i != seed % len(layers))
+        start = kv.num_slots - kv.valid_lengths()
+        indices.append([start[h] + torch.randperm(int(kv.valid_lengths()[h]), generator=gen)[:k]
+                        for h, k in enumerate(counts.tolist())])
+    positions = [kv.slot_positions() for kv in layers]
+    memories = SlotMemory.kept_layers(values, positions, indices)
+    for memory, v, p, idx in zip(memories, values, positions, indices):
+        alone = SlotMemory.kept(v, p, idx)
+        assert torch.equal(memory.positions, alone.positions) and torch.equal(memory.values, alone.values)
+    later = [p.roll(1, dims=1) for p in positions]  # other slots, the remembered positions among them
+    found = SlotMemory.lookup_layers(memories, later, fill=-7.0)
+    for memory, p, looked, v, idx, kv in zip(memories, later, found, values, indices, layers):
+        assert torch.equal(looked, memory.lookup(p, fill=-7.0))
+        want = torch.full_like(v, -7.0)  # by definition: each kept slot's value where its position is now
+        for h, slots in enumerate(idx):
+            where = (p[h].unsqueeze(1) == kv.slot_positions()[h, slots].unsqueeze(0)).nonzero()
+            want[h, where[:, 0]] = v[h, slots[where[:, 1]]]
+        assert torch.equal(looked, want)
+    assert sum(int((looked != -7.0).sum()) for looked in found) == sum(len(i) for layer in indices for i in layer)
 
 
 def test_page_rounding_adds_the_next_best_live_slots():
@@ -214,7 +274,7 @@ def test_round_to_pages_matches_one_head_at_a_time(seed, with_priority):
 @pytest.mark.parametrize("seed", range(6))
 def test_rounding_several_layers_at_once_matches_one_head_at_a_time(seed):
     """Layers of two widths, with and without a priority, one needing nothing: each rounded as
-    on its own (the layers of one width share one pass)."""
+    on its own (all in one pass)."""
     layers, picks, want = [], [], []
     for layer, (n, with_priority) in enumerate([(37, True), (37, False), (45, True), (37, True)]):
         gen, scores, lengths = random_layer(seed * 7 + layer, n=n)
@@ -228,6 +288,15 @@ def test_rounding_several_layers_at_once_matches_one_head_at_a_time(seed):
     got = base.round_to_pages_layers(picks, layers, (8, 5))
     assert [[idx.tolist() for idx in sel.indices] for sel in got] == want
     assert got[3] is picks[3]
+
+
+@pytest.mark.parametrize("quantum", [(32, 0), (16, 5), (7, 3)])
+def test_page_counts_of_every_head_at_once_are_each_heads_page_count(quantum):
+    gen = torch.Generator().manual_seed(quantum[0])
+    lengths = torch.randint(0, 200, (300,), generator=gen)
+    kept = torch.minimum(torch.randint(0, 220, (300,), generator=gen), lengths + torch.randint(0, 2, (300,), generator=gen))
+    want = [page_count(int(k), int(n), quantum) for k, n in zip(kept, lengths)]
+    assert base.page_counts(kept, lengths, quantum).tolist() == want
 
 
 @pytest.mark.parametrize("seed", range(6))

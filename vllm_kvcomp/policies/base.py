@@ -148,13 +148,16 @@ class LayerRows:
     each layer's rows right-aligned, -inf on its left padding) with their lengths [L·H]: one
     sort and one pass of masks for every layer instead of one per layer."""
 
-    def __init__(self, rankings: Sequence[Ranking], lengths: Sequence[torch.Tensor]) -> None:
+    def __init__(self, rankings: Sequence[Ranking], lengths: Sequence[torch.Tensor],
+                 stacked: Ranking | None = None) -> None:
+        """``stacked``: the rankings' rows already stacked so (their scores views of its rows)."""
         self.rankings = list(rankings)
         self.heads = self.rankings[0].scores.shape[0] if self.rankings else 0
-        width = max((r.scores.shape[1] for r in self.rankings), default=0)
-        self.pads = [width - r.scores.shape[1] for r in self.rankings]
+        self.pads = _pads([r.scores.shape[1] for r in self.rankings])
         if len(self.rankings) == 1:
             self.ranking = self.rankings[0]  # one layer: its own ranking, sorted at most once
+        elif stacked is not None:
+            self.ranking = stacked
         else:
             self.ranking = Ranking(torch.cat([
                 torch.nn.functional.pad(r.scores.float(), (pad, 0), value=float("-inf"))
@@ -178,8 +181,9 @@ class LayerRows:
         if len(self.rankings) > 1 and self.ranking.is_sorted:
             order = self.ranking.order.split(self.heads)  # each layer's rows, in the padded slots
             for ranking, rows, pad in zip(self.rankings, order, self.pads):
-                # the padding slots rank after every live one (-inf, earlier): dropping them keeps the order
-                ranking.take_order((rows[rows >= pad] - pad).view(self.heads, -1))
+                # the padding slots rank after every other one (-inf, and earlier than the layer's
+                # own -inf slots): they are each row's last ``pad``, dropping them keeps the order
+                ranking.take_order(rows[:, : rows.shape[1] - pad] - pad if pad else rows)
         hit = torch.nonzero(mask)
         row_pad = torch.tensor(self.pads, dtype=torch.long).repeat_interleave(self.heads)
         slots = (hit[:, 1] - row_pad[hit[:, 0]]).contiguous()
@@ -355,26 +359,52 @@ def round_to_pages(pick: Selection, kv: LayerKV, quantum: tuple[int, int] | None
 
 def round_to_pages_layers(picks: Sequence[Selection], layers: Sequence[LayerKV],
                           quantum: tuple[int, int] | None) -> list[Selection]:
-    """:func:`round_to_pages` of several layers, the layers of one width in one pass."""
-    out, widths = list(picks), {}
-    for i, (pick, kv) in enumerate(zip(picks, layers)):
-        counts = pick.counts()
-        extra = torch.tensor([page_count(int(c), int(length), quantum) for c, length in zip(counts, kv.valid_lengths())],
-                             dtype=torch.long) - counts
-        if bool((extra > 0).any()):
-            widths.setdefault(kv.num_slots, []).append((i, extra))
-    for n, rounded in widths.items():
-        taken = slot_mask([idx for i, _ in rounded for idx in picks[i].indices], n)  # [sum H, N]
-        free = torch.cat([layers[i].valid_mask() for i, _ in rounded]) & ~taken
-        order = torch.cat([picks[i].priority.order if picks[i].priority is not None
-                           else torch.arange(n - 1, -1, -1).expand(len(extra), n) for i, extra in rounded])
-        extras = torch.cat([extra for _, extra in rounded])  # [sum H]
-        rows = iter(head_rows(taken | first_in_order(order, free, extras.clamp(min=0))))
-        for i, extra in rounded:
-            heads = [next(rows) for _ in extra]
-            out[i] = Selection([heads[h] if extra[h] > 0 else idx for h, idx in enumerate(picks[i].indices)],
-                               picks[i].compensation, picks[i].priority)
+    """:func:`round_to_pages` of several layers in one pass (the rows of the layers that need
+    rounding stacked right-aligned; padding is never free and ranks last)."""
+    if quantum is None or not picks:
+        return list(picks)  # no grid: every pick is already whole (it holds live slots only)
+    counts = [pick.counts() for pick in picks]
+    extra = page_counts(torch.cat(counts), torch.cat([kv.valid_lengths() for kv in layers]), quantum) - torch.cat(counts)
+    extras = list(extra.split([len(c) for c in counts]))
+    rounded = [i for i, e in enumerate(extras) if bool((e > 0).any())]
+    if not rounded:
+        return list(picks)
+    pads = _pads([layers[i].num_slots for i in rounded])
+    width = layers[rounded[0]].num_slots + pads[0]
+    taken = slot_mask([idx.to(torch.long).cpu() + pad for i, pad in zip(rounded, pads) for idx in picks[i].indices],
+                      width)  # [rows, N]
+    free = _stack_right([layers[i].valid_mask() for i in rounded], pads, False) & ~taken
+    order = torch.cat([_order_right(picks[i], layers[i], pad) for i, pad in zip(rounded, pads)])
+    quota = torch.cat([extras[i] for i in rounded]).clamp(min=0)
+    mask = taken | first_in_order(order, free, quota)
+    row_pad = torch.tensor(pads, dtype=torch.long).repeat_interleave(torch.tensor([len(counts[i]) for i in rounded]))
+    hit = torch.nonzero(mask)
+    rows = iter(torch.split((hit[:, 1] - row_pad[hit[:, 0]]).contiguous(), mask.sum(dim=1).tolist()))
+    out = list(picks)
+    for i in rounded:
+        heads = [next(rows) for _ in extras[i]]
+        out[i] = Selection([heads[h] if extras[i][h] > 0 else idx for h, idx in enumerate(picks[i].indices)],
+                           picks[i].compensation, picks[i].priority)
     return out
+
+
+def page_counts(kept: torch.Tensor, lengths: torch.Tensor, quantum: tuple[int, int]) -> torch.Tensor:
+    """:func:`page_count` of every head at once: ``kept`` and ``lengths`` [H] int64."""
+    block_size, residue = quantum
+    lengths = lengths.to(torch.long)
+    rounded = torch.minimum(lengths, kept + torch.remainder(residue - kept, block_size))
+    return torch.where(kept >= lengths, torch.minimum(kept, lengths), rounded)
+
+
+def _order_right(pick: Selection, kv: LayerKV, pad: int) -> torch.Tensor:
+    """[H, pad + N] ``pick``'s slot order (its priority's; the most recent first without one)
+    shifted right by ``pad`` columns, the padding slots last."""
+    n = kv.num_slots
+    order = (pick.priority.order if pick.priority is not None
+             else torch.arange(n - 1, -1, -1).expand(kv.num_kv_heads, n))
+    if not pad:
+        return order
+    return torch.cat([order + pad, torch.arange(pad).expand(order.shape[0], pad)], dim=1)
 
 
 def live_mask(lengths: torch.Tensor, num_slots: int) -> torch.Tensor:
@@ -889,6 +919,11 @@ def _allocate_over_ranks(ranks: Ranks, allocate: Allocator, ranking: Ranking, bu
     return [idx - pad for idx in mine]
 
 
+#: most cells [H, max position] of the table a :meth:`SlotMemory.lookup` builds (16 Mi: 64 MiB
+#: of float32, a 1M-token context at 16 heads); a larger lookup searches instead
+DENSE_LOOKUP = 1 << 24
+
+
 @dataclass
 class SlotMemory:
     """Per-slot policy memory that survives the engine's compaction, keyed by logical position.
@@ -904,59 +939,119 @@ class SlotMemory:
     def kept(
         cls, values: torch.Tensor, positions: torch.Tensor, indices: Sequence[torch.Tensor]
     ) -> SlotMemory:
-        """Remember ``values`` [H, N] at the kept slots; ``positions`` [H, N] of the same layer.
-
-        Every head at once: one gather and one sort by (head, position) for the layer (heads
-        keeping as many: one row-wise gather and sort, no padding)."""
-        if indices and all(len(i) == len(indices[0]) for i in indices):
-            slots = torch.stack([i.to(torch.long).cpu() for i in indices])  # [H, K]
-            kept_pos, order = positions.cpu().gather(1, slots).sort(dim=1)
-            return cls(kept_pos, values.cpu().gather(1, slots).gather(1, order))
+        """Remember ``values`` [H, N] at the kept slots; ``positions`` [H, N] of the same layer."""
         counts = torch.tensor([len(i) for i in indices], dtype=torch.long)
-        heads, width = len(indices), int(counts.max()) if len(indices) else 0
-        pos = torch.full((heads, width), -1, dtype=torch.long)
-        val = torch.zeros((heads, width), dtype=values.dtype)
+        slots = torch.cat([i.to(torch.long).cpu() for i in indices]) if indices else torch.zeros(0, dtype=torch.long)
+        return cls._kept_rows(values.cpu(), positions.to(torch.long).cpu(), slots, counts)
+
+    @classmethod
+    def kept_layers(cls, values: Sequence[torch.Tensor], positions: Sequence[torch.Tensor],
+                    indices: Sequence[Sequence[torch.Tensor]]) -> list[SlotMemory]:
+        """:meth:`kept` of several layers (per layer values and positions [H, N_l], H index
+        tensors) at once: their rows stacked right-aligned, one gather and one sort for all."""
+        if not values:
+            return []
+        heads = [len(layer) for layer in indices]
+        pads = _pads([v.shape[1] for v in values])
+        counts = torch.tensor([len(idx) for layer in indices for idx in layer], dtype=torch.long)
+        row_pad = torch.tensor(pads, dtype=torch.long).repeat_interleave(torch.tensor(heads))
+        slots = torch.cat([idx.to(torch.long).cpu() for layer in indices for idx in layer]) + row_pad.repeat_interleave(counts)
+        stacked = cls._kept_rows(_stack_right(values, pads, 0), _stack_right([p.to(torch.long) for p in positions], pads, -1),
+                                  slots, counts)
+        widths = [int(c.max()) if len(c) else 0 for c in counts.split(heads)]
+        width = stacked.positions.shape[1]
+        return [cls(pos[:, width - w:].contiguous(), val[:, width - w:].contiguous()) for pos, val, w in
+                zip(stacked.positions.split(heads), stacked.values.split(heads), widths)]
+
+    @classmethod
+    def _kept_rows(cls, values: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                   counts: torch.Tensor) -> SlotMemory:
+        """values, positions [R, N] host; row r keeps the next ``counts[r]`` of ``slots`` (every
+        row's kept slots, row after row). One gather and one row-wise sort: each row's kept
+        positions ascending, right-aligned, the -1 padding (value 0) sorted to its left."""
+        width = int(counts.max()) if len(counts) else 0
         if not width:
-            return cls(pos, val)
-        head = torch.repeat_interleave(torch.arange(heads), counts)
-        slot = torch.cat([i.to(torch.long).cpu() for i in indices])
-        positions, values = positions.cpu(), values.cpu()
-        kept_pos = positions[head, slot]
-        order = torch.argsort(head * (int(positions.max()) + 2) + kept_pos)  # by head, then position
-        head, kept_pos, kept_val = head[order], kept_pos[order], values[head[order], slot[order]]
-        start = torch.cumsum(counts, 0) - counts  # each head's first entry in the sorted list
-        column = width - counts[head] + torch.arange(len(head)) - start[head]  # right-aligned
-        pos[head, column] = kept_pos
-        val[head, column] = kept_val
-        return cls(pos, val)
+            return cls(torch.full((len(counts), 0), -1, dtype=torch.long), torch.zeros((len(counts), 0), dtype=values.dtype))
+        kept = torch.arange(width).unsqueeze(0) >= (width - counts).unsqueeze(1)  # [R, K], right-aligned
+        if bool(kept.all()):
+            table = slots.view(len(counts), width)
+        else:
+            table = torch.zeros(kept.shape, dtype=torch.long)
+            table[kept] = slots  # row-major: each row's slots in its right-aligned columns
+        kept_pos, order = positions.gather(1, table).masked_fill_(~kept, -1).sort(dim=1)
+        return cls(kept_pos, values.gather(1, table).masked_fill_(~kept, 0).gather(1, order))
 
     def lookup(self, positions: torch.Tensor, fill: float = 0) -> torch.Tensor:
-        """[H, N] remembered values at ``positions`` [H, N] (-1 = invalid); ``fill`` elsewhere."""
+        """[H, N] remembered values at ``positions`` [H, N] (-1 = invalid); ``fill`` elsewhere.
+
+        A table per head over every position up to the largest (a scatter and a gather) while it
+        has at most :data:`DENSE_LOOKUP` cells, else a binary search of the ascending rows."""
         positions = positions.to(torch.long).cpu().contiguous()
-        out = torch.full(positions.shape, fill, dtype=self.values.dtype)
         if self.positions.shape[1] == 0:
-            return out
+            return torch.full(positions.shape, fill, dtype=self.values.dtype)
+        end = max(int(self.positions.max()), int(positions.max())) + 1  # column ``end``: every -1
+        if positions.shape[0] * (end + 1) <= DENSE_LOOKUP:
+            table = torch.full((positions.shape[0], end + 1), fill, dtype=self.values.dtype)
+            table.scatter_(1, self.positions.masked_fill(self.positions < 0, end), self.values)
+            table[:, end] = fill
+            return table.gather(1, positions.masked_fill(positions < 0, end))
+        out = torch.full(positions.shape, fill, dtype=self.values.dtype)
         idx = torch.searchsorted(self.positions, positions).clamp_max(self.positions.shape[1] - 1)
         hit = (self.positions.gather(1, idx) == positions) & (positions >= 0)
         return torch.where(hit, self.values.gather(1, idx), out)
 
+    @staticmethod
+    def lookup_layers(memories: Sequence[SlotMemory], positions: Sequence[torch.Tensor],
+                      fill: float = 0) -> list[torch.Tensor]:
+        """:meth:`lookup` of several layers (per layer its memory and positions [H, N_l]) in one
+        search: the memories' rows stacked right-aligned (-1 padding keeps them ascending)."""
+        if not memories:
+            return []
+        widths = [p.shape[1] for p in positions]
+        memory = SlotMemory(_stack_right([m.positions for m in memories], None, -1),
+                            _stack_right([m.values for m in memories], None, 0))
+        found = memory.lookup(_stack_right(positions, _pads(widths), -1), fill)
+        width = found.shape[1]
+        return [rows[:, width - w:] for rows, w in zip(found.split([p.shape[0] for p in positions]), widths)]
 
-def keep_pinned(kv: LayerKV, pinned: torch.Tensor, sink: int, keep: int) -> tuple[list[torch.Tensor], Ranking]:
-    """Per head: the first ``sink`` live slots, the pinned slots, then the most recent up to ``keep``.
 
-    pinned [H_kv, N] bool. For policies whose selected set stays while the recent window slides
-    (SAGE-KV, entropy-guided budgets). Returns H_kv sorted index tensors of ``min(keep, length)``
-    and the priority [H_kv, N] they were ranked by (pinned first, then recency), its order made
-    without a sort: the pinned slots latest first, then the others latest first.
-    """
-    n, pinned = kv.num_slots, pinned.to(torch.bool).cpu()
-    recency = torch.arange(n, dtype=torch.float32) / max(n, 1)
-    priority = Ranking(recency.expand(kv.num_kv_heads, -1) + 2.0 * pinned.float())
-    latest_first = pinned.flip(-1)  # column j: slot n - 1 - j
+def _pads(widths: Sequence[int]) -> list[int]:
+    """Left padding that right-aligns rows of these widths to the widest."""
+    width = max(widths, default=0)
+    return [width - w for w in widths]
+
+
+def _stack_right(tensors: Sequence[torch.Tensor], pads: Sequence[int] | None, value: float) -> torch.Tensor:
+    """[sum H, N] host rows of every [H, N_l] tensor right-aligned (left-padded with ``value`` by
+    ``pads``, by default to the widest)."""
+    pads = _pads([t.shape[1] for t in tensors]) if pads is None else pads
+    return torch.cat([torch.nn.functional.pad(t.cpu(), (pad, 0), value=value) if pad else t.cpu()
+                      for t, pad in zip(tensors, pads)])
+
+
+def keep_pinned_layers(layers: Sequence[LayerKV], pinned: Sequence[torch.Tensor], sinks: Sequence[int],
+                       keeps: Sequence[int]) -> list[tuple[list[torch.Tensor], Ranking]]:
+    """:func:`keep_pinned` of several layers (per layer pinned [H_kv, N_l] bool, sink, keep) in
+    one pass: their rows stacked right-aligned (padding is never pinned, never live, and ranks
+    last, so dropping it keeps each layer's order)."""
+    if not layers:
+        return []
+    heads, widths = layers[0].num_kv_heads, [kv.num_slots for kv in layers]
+    pads = _pads(widths)
+    row_pad = torch.tensor(pads, dtype=torch.long).repeat_interleave(heads).unsqueeze(1)  # [L·H, 1]
+    row_width = torch.tensor([max(n, 1) for n in widths], dtype=torch.long).repeat_interleave(heads).unsqueeze(1)
+    flags = _stack_right([p.to(torch.bool) for p in pinned], pads, False)  # [L·H, N]
+    n = flags.shape[1]
+    recency = (torch.arange(n) - row_pad).to(torch.float32) / row_width  # each layer's own slots
+    scores = recency + 2.0 * flags.float()
+    rankings = [Ranking(scores[i * heads : (i + 1) * heads, pad:]) for i, pad in enumerate(pads)]
+    rows = LayerRows(rankings, [kv.valid_lengths() for kv in layers], Ranking(scores))
+    latest_first = flags.flip(-1)  # column j: slot n - 1 - j
     rank = torch.where(latest_first, latest_first.cumsum(1) - 1,
-                       (~latest_first).cumsum(1) - 1 + latest_first.sum(1, keepdim=True))  # its place in the order
-    priority.take_order(torch.empty_like(rank).scatter_(1, rank, torch.arange(n - 1, -1, -1).expand_as(rank)))
-    return protected_topk(priority, keep, kv.valid_lengths(), sink, 0), priority
+                       (~latest_first).cumsum(1) - 1 + latest_first.sum(1, keepdim=True))
+    rows.ranking.take_order(torch.empty_like(rank).scatter_(1, rank, torch.arange(n - 1, -1, -1).expand_as(rank)))
+    mask = protected_mask(rows.ranking, rows.per_row(list(keeps)), rows.lengths, rows.per_row(list(sinks)), 0)
+    return list(zip(rows.split(mask), rankings))
 
 
 def out_proj_heads(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -983,9 +1078,10 @@ __all__ = [
     "Selection",
     "SlotMemory",
     "ceil_div",
-    "keep_pinned",
+    "keep_pinned_layers",
     "out_proj_heads",
     "page_count",
+    "page_counts",
     "protected_topk",
     "protected_topk_layers",
     "reduce_gqa",

@@ -39,7 +39,7 @@ from vllm_kvcomp.policies.base import (
     RequestState,
     Selection,
     SlotMemory,
-    keep_pinned,
+    keep_pinned_layers,
     protected_topk,
     slot_mask,
     snap_to_pages,
@@ -163,7 +163,7 @@ class EntropyBudget(Policy):
 
     def select(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
         if layers and all(state.layer(kv.layer, EntropyMemory).budget is not None for kv in layers):
-            return [self._slide(kv, state) for kv in layers]
+            return self._slide(layers, state)
         stats = [attention_entropy(window_logits(kv), state.ranks) for kv in layers]
         probs = [p for p, _ in stats]  # each [H_q, w, N]
         longest = max((int(kv.valid_lengths().max()) for kv in layers), default=0)
@@ -187,20 +187,25 @@ class EntropyBudget(Policy):
         memory.budget, memory.sink, memory.picked = budget, sink, slot_mask(chosen, kv.num_slots) & middle
         return Selection(chosen, priority=priority)
 
-    def _slide(self, kv: LayerKV, state: RequestState) -> Selection:
-        """Decode: sink + pinned top tokens + the most recent, back to the layer budget."""
-        memory = state.layer(kv.layer, EntropyMemory)
-        memory.picked = memory.pinned.lookup(kv.slot_positions()) > 0
-        chosen, priority = keep_pinned(kv, memory.picked, memory.sink, memory.budget)
-        return Selection(chosen, priority=priority)
+    def _slide(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
+        """Decode, every layer at once: sink + pinned top tokens + the most recent, back to each
+        layer's budget."""
+        memories = [state.layer(kv.layer, EntropyMemory) for kv in layers]
+        found = SlotMemory.lookup_layers([m.pinned for m in memories], [kv.slot_positions() for kv in layers])
+        for memory, pins in zip(memories, found):
+            memory.picked = pins > 0
+        kept = keep_pinned_layers(layers, [m.picked for m in memories], [m.sink for m in memories],
+                                  [m.budget for m in memories])
+        return [Selection(chosen, priority=priority) for chosen, priority in kept]
 
     def commit_kept(self, layers: Sequence[LayerKV], state: RequestState, picks: Sequence[Selection],
                     kept: Sequence[Selection]) -> None:
-        """The picked tokens that are kept stay pinned (by logical position)."""
-        for kv, selection in zip(layers, kept):
-            memory = state.layer(kv.layer, EntropyMemory)
-            memory.pinned = SlotMemory.kept(memory.picked.float(), kv.slot_positions(), selection.indices)
-            memory.picked = None
+        """The picked tokens that are kept stay pinned (by logical position; every layer at once)."""
+        memories = [state.layer(kv.layer, EntropyMemory) for kv in layers]
+        pinned = SlotMemory.kept_layers([m.picked.float() for m in memories], [kv.slot_positions() for kv in layers],
+                                        [selection.indices for selection in kept])
+        for memory, pins in zip(memories, pinned):
+            memory.pinned, memory.picked = pins, None
 
 
 @dataclass

@@ -43,7 +43,7 @@ from vllm_kvcomp.policies.base import (
     ScorePolicy,
     Selection,
     SlotMemory,
-    keep_pinned,
+    keep_pinned_layers,
     window_attention,
 )
 
@@ -123,25 +123,40 @@ class SageKV(ScorePolicy):
         """The top-k by score (:meth:`ScorePolicy.select`) for layers not yet pinned; a pinned
         layer keeps its pins and the recent window slides."""
         fresh = [kv for kv in layers if state.layer(kv.layer, SageKVMemory).pinned is None]
+        sliding = [kv for kv in layers if state.layer(kv.layer, SageKVMemory).pinned is not None]
         picks = dict(zip((kv.layer for kv in fresh), super().select(fresh, state)))
-        return [picks[kv.layer] if kv.layer in picks else self._slide(kv, state) for kv in layers]
+        picks.update(zip((kv.layer for kv in sliding), self._slide(sliding, state)))
+        return [picks[kv.layer] for kv in layers]
 
-    def _slide(self, kv: LayerKV, state: RequestState) -> Selection:
-        memory = state.layer(kv.layer, SageKVMemory)
-        memory.sliding = memory.pinned.lookup(kv.slot_positions()) > 0
-        chosen, priority = keep_pinned(kv, memory.sliding, memory.sink, int(state.budget or 0))
-        return Selection(chosen, priority=priority)
+    def _slide(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
+        """Pinned layers, all at once: sink + pins + the most recent, back to the budget."""
+        memories = [state.layer(kv.layer, SageKVMemory) for kv in layers]
+        found = SlotMemory.lookup_layers([m.pinned for m in memories], [kv.slot_positions() for kv in layers])
+        for memory, pins in zip(memories, found):
+            memory.sliding = pins > 0
+        kept = keep_pinned_layers(layers, [m.sliding for m in memories], [m.sink for m in memories],
+                                  [int(state.budget or 0)] * len(layers))
+        return [Selection(chosen, priority=priority) for chosen, priority in kept]
+
+    def commit_kept(self, layers: Sequence[LayerKV], state: RequestState, picks: Sequence[Selection],
+                    kept: Sequence[Selection]) -> None:
+        """A sliding layer's pinned tokens that are kept stay pinned (every such layer at once);
+        a fresh pick pins what it chose (:meth:`commit`)."""
+        memories = [state.layer(kv.layer, SageKVMemory) for kv in layers]
+        slid = [i for i, memory in enumerate(memories) if memory.sliding is not None]
+        pinned = SlotMemory.kept_layers([memories[i].sliding.float() for i in slid],
+                                        [layers[i].slot_positions() for i in slid], [kept[i].indices for i in slid])
+        for i, memory in zip(slid, pinned):
+            memories[i].pinned, memories[i].sliding = memory, None
+        for i in sorted(set(range(len(layers))) - set(slid)):
+            self.commit(layers[i], state, kept[i], picks[i].indices)
 
     def commit(self, kv: LayerKV, state: RequestState, selection: Selection, chosen: list[torch.Tensor]) -> None:
         """Pin the tokens the top-k chose (not the page-rounding extras) once a selection
-        really evicted something; later, the pinned tokens that are kept stay pinned."""
-        memory = state.layer(kv.layer, SageKVMemory)
-        if memory.sliding is not None:
-            memory.pinned = SlotMemory.kept(memory.sliding.float(), kv.slot_positions(), selection.indices)
-            memory.sliding = None
-            return
+        really evicted something."""
         if int(kv.valid_lengths().max()) <= int(state.budget or 0):
             return
+        memory = state.layer(kv.layer, SageKVMemory)
         kept = torch.zeros(kv.num_kv_heads, kv.num_slots, dtype=torch.bool)
         for h, idx in enumerate(chosen):
             kept[h, idx] = True
