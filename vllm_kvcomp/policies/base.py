@@ -150,7 +150,7 @@ class LayerRows:
 
     def __init__(self, rankings: Sequence[Ranking], lengths: Sequence[torch.Tensor],
                  stacked: Ranking | None = None) -> None:
-        """``stacked``: the rankings' rows already stacked so (their scores views of its rows)."""
+        """``stacked``: the rankings already stacked right-aligned (theirs are views of its rows)."""
         self.rankings = list(rankings)
         self.heads = self.rankings[0].scores.shape[0] if self.rankings else 0
         self.pads = _pads([r.scores.shape[1] for r in self.rankings])
@@ -1031,9 +1031,15 @@ def _stack_right(tensors: Sequence[torch.Tensor], pads: Sequence[int] | None, va
 
 def keep_pinned_layers(layers: Sequence[LayerKV], pinned: Sequence[torch.Tensor], sinks: Sequence[int],
                        keeps: Sequence[int]) -> list[tuple[list[torch.Tensor], Ranking]]:
-    """:func:`keep_pinned` of several layers (per layer pinned [H_kv, N_l] bool, sink, keep) in
-    one pass: their rows stacked right-aligned (padding is never pinned, never live, and ranks
-    last, so dropping it keeps each layer's order)."""
+    """Per layer and head: the first ``sink`` live slots, the pinned slots, then the most recent,
+    up to ``keep`` (per layer pinned [H_kv, N_l] bool, sink and keep).
+
+    For policies whose selected set stays while the recent window slides (SAGE-KV,
+    entropy-guided budgets). Returns per layer H_kv sorted index tensors of ``min(keep, length)``
+    and the priority [H_kv, N_l] they were ranked by (recency + 2·pinned: pinned first, then the
+    most recent), its order made without a sort. Every layer in one pass: their rows stacked
+    right-aligned (padding is never pinned, never live, and ranks last, so dropping it keeps each
+    layer's order)."""
     if not layers:
         return []
     heads, widths = layers[0].num_kv_heads, [kv.num_slots for kv in layers]
