@@ -144,11 +144,12 @@ class SageKV(ScorePolicy):
         a fresh pick pins what it chose (:meth:`commit`)."""
         memories = [state.layer(kv.layer, SageKVMemory) for kv in layers]
         slid = [i for i, memory in enumerate(memories) if memory.sliding is not None]
+        fresh = [i for i, memory in enumerate(memories) if memory.sliding is None]
         pinned = SlotMemory.kept_layers([memories[i].sliding.float() for i in slid],
                                         [layers[i].slot_positions() for i in slid], [kept[i].indices for i in slid])
         for i, memory in zip(slid, pinned):
             memories[i].pinned, memories[i].sliding = memory, None
-        for i in sorted(set(range(len(layers))) - set(slid)):
+        for i in fresh:
             self.commit(layers[i], state, kept[i], picks[i].indices)
 
     def commit(self, kv: LayerKV, state: RequestState, selection: Selection, chosen: list[torch.Tensor]) -> None:
