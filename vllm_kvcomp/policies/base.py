@@ -143,6 +143,19 @@ class Ranking:
         self._order = order
 
 
+def _pads(widths: Sequence[int]) -> list[int]:
+    """Left padding that right-aligns rows of these widths to the widest."""
+    width = max(widths, default=0)
+    return [width - w for w in widths]
+
+
+def _stack_right(tensors: Sequence[torch.Tensor], pads: Sequence[int] | None, value: float) -> torch.Tensor:
+    """[sum H, N] rows of every [H, N_l] tensor right-aligned (left-padded with ``value`` by
+    ``pads``, by default to the widest), where the tensors are."""
+    pads = _pads([t.shape[1] for t in tensors]) if pads is None else pads
+    return torch.cat([torch.nn.functional.pad(t, (pad, 0), value=value) if pad else t for t, pad in zip(tensors, pads)])
+
+
 class LayerRows:
     """Several layers' [H, N_l] rankings as one [L·H, N] :class:`Ranking` (N = the widest layer;
     each layer's rows right-aligned, -inf on its left padding) with their lengths [L·H]: one
@@ -159,9 +172,7 @@ class LayerRows:
         elif stacked is not None:
             self.ranking = stacked
         else:
-            self.ranking = Ranking(torch.cat([
-                torch.nn.functional.pad(r.scores.float(), (pad, 0), value=float("-inf"))
-                for r, pad in zip(self.rankings, self.pads)]))
+            self.ranking = Ranking(_stack_right([r.scores.float() for r in self.rankings], self.pads, float("-inf")))
         self.lengths = torch.cat([n.to(torch.long).cpu().reshape(-1) for n in lengths])
 
     def per_row(self, per_layer: Sequence[int] | Sequence[Sequence[int]]) -> torch.Tensor:
@@ -184,10 +195,7 @@ class LayerRows:
                 # the padding slots rank after every other one (-inf, and earlier than the layer's
                 # own -inf slots): they are each row's last ``pad``, dropping them keeps the order
                 ranking.take_order(rows[:, : rows.shape[1] - pad] - pad if pad else rows)
-        hit = torch.nonzero(mask)
-        row_pad = torch.tensor(self.pads, dtype=torch.long).repeat_interleave(self.heads)
-        slots = (hit[:, 1] - row_pad[hit[:, 0]]).contiguous()
-        rows = list(torch.split(slots, mask.sum(dim=1).tolist()))
+        rows = head_rows(mask, torch.tensor(self.pads, dtype=torch.long).repeat_interleave(self.heads))
         return [rows[layer * self.heads : (layer + 1) * self.heads] for layer in range(len(self.rankings))]
 
 
@@ -378,8 +386,7 @@ def round_to_pages_layers(picks: Sequence[Selection], layers: Sequence[LayerKV],
     quota = torch.cat([extras[i] for i in rounded]).clamp(min=0)
     mask = taken | first_in_order(order, free, quota)
     row_pad = torch.tensor(pads, dtype=torch.long).repeat_interleave(torch.tensor([len(counts[i]) for i in rounded]))
-    hit = torch.nonzero(mask)
-    rows = iter(torch.split((hit[:, 1] - row_pad[hit[:, 0]]).contiguous(), mask.sum(dim=1).tolist()))
+    rows = iter(head_rows(mask, row_pad))
     out = list(picks)
     for i in rounded:
         heads = [next(rows) for _ in extras[i]]
@@ -422,10 +429,12 @@ def slot_mask(indices: Sequence[torch.Tensor], num_slots: int) -> torch.Tensor:
     return mask
 
 
-def head_rows(mask: torch.Tensor) -> list[torch.Tensor]:
-    """[H, N] bool -> H ascending int64 tensors of each row's True slots (one ``nonzero`` for all)."""
-    slots = torch.nonzero(mask)[:, 1].contiguous()
-    return list(torch.split(slots, mask.sum(dim=1).tolist()))
+def head_rows(mask: torch.Tensor, row_pad: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """[H, N] bool -> H ascending int64 tensors of each row's True slots (one ``nonzero`` for all);
+    ``row_pad`` [H]: each row's left padding (stacked layers), taken off its slots."""
+    hit = torch.nonzero(mask)
+    slots = hit[:, 1] if row_pad is None else hit[:, 1] - row_pad[hit[:, 0]]
+    return list(torch.split(slots.contiguous(), mask.sum(dim=1).tolist()))
 
 
 def first_in_order(order: torch.Tensor, allowed: torch.Tensor, quota: torch.Tensor) -> torch.Tensor:
@@ -956,7 +965,8 @@ class SlotMemory:
         counts = torch.tensor([len(idx) for layer in indices for idx in layer], dtype=torch.long)
         row_pad = torch.tensor(pads, dtype=torch.long).repeat_interleave(torch.tensor(heads))
         slots = torch.cat([idx.to(torch.long).cpu() for layer in indices for idx in layer]) + row_pad.repeat_interleave(counts)
-        stacked = cls._kept_rows(_stack_right(values, pads, 0), _stack_right([p.to(torch.long) for p in positions], pads, -1),
+        stacked = cls._kept_rows(_stack_right([v.cpu() for v in values], pads, 0),
+                                 _stack_right([p.to(torch.long).cpu() for p in positions], pads, -1),
                                   slots, counts)
         widths = [int(c.max()) if len(c) else 0 for c in counts.split(heads)]
         width = stacked.positions.shape[1]
@@ -1010,23 +1020,9 @@ class SlotMemory:
         widths = [p.shape[1] for p in positions]
         memory = SlotMemory(_stack_right([m.positions for m in memories], None, -1),
                             _stack_right([m.values for m in memories], None, 0))
-        found = memory.lookup(_stack_right(positions, _pads(widths), -1), fill)
+        found = memory.lookup(_stack_right([p.to(torch.long).cpu() for p in positions], None, -1), fill)
         width = found.shape[1]
         return [rows[:, width - w:] for rows, w in zip(found.split([p.shape[0] for p in positions]), widths)]
-
-
-def _pads(widths: Sequence[int]) -> list[int]:
-    """Left padding that right-aligns rows of these widths to the widest."""
-    width = max(widths, default=0)
-    return [width - w for w in widths]
-
-
-def _stack_right(tensors: Sequence[torch.Tensor], pads: Sequence[int] | None, value: float) -> torch.Tensor:
-    """[sum H, N] host rows of every [H, N_l] tensor right-aligned (left-padded with ``value`` by
-    ``pads``, by default to the widest)."""
-    pads = _pads([t.shape[1] for t in tensors]) if pads is None else pads
-    return torch.cat([torch.nn.functional.pad(t.cpu(), (pad, 0), value=value) if pad else t.cpu()
-                      for t, pad in zip(tensors, pads)])
 
 
 def keep_pinned_layers(layers: Sequence[LayerKV], pinned: Sequence[torch.Tensor], sinks: Sequence[int],
@@ -1046,7 +1042,7 @@ def keep_pinned_layers(layers: Sequence[LayerKV], pinned: Sequence[torch.Tensor]
     pads = _pads(widths)
     row_pad = torch.tensor(pads, dtype=torch.long).repeat_interleave(heads).unsqueeze(1)  # [L·H, 1]
     row_width = torch.tensor([max(n, 1) for n in widths], dtype=torch.long).repeat_interleave(heads).unsqueeze(1)
-    flags = _stack_right([p.to(torch.bool) for p in pinned], pads, False)  # [L·H, N]
+    flags = _stack_right([p.to(torch.bool).cpu() for p in pinned], pads, False)  # [L·H, N]
     n = flags.shape[1]
     recency = (torch.arange(n) - row_pad).to(torch.float32) / row_width  # each layer's own slots
     scores = recency + 2.0 * flags.float()
