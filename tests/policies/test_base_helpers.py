@@ -38,17 +38,20 @@ def test_slot_memory_follows_positions(lookup_by):
     assert looked.tolist() == [[-7.0, 3.0, 5.0, -7.0], [6.0, 8.0, 10.0, -7.0]]
 
 
+@pytest.mark.parametrize("in_order", [True, False])
 @pytest.mark.parametrize("ragged", [True, False])
 @pytest.mark.parametrize("seed", range(4))
-def test_slot_memory_of_all_heads_at_once_matches_one_head_at_a_time(seed, ragged):
-    """Ragged and empty heads, or heads keeping as many; unsorted kept indices, positions not in
-    slot order (after a compaction)."""
+def test_slot_memory_of_all_heads_at_once_matches_one_head_at_a_time(seed, ragged, in_order):
+    """Ragged and empty heads, or heads keeping as many; sorted kept indices of ascending
+    positions (the engine's: nothing to sort), or unsorted ones of positions not in slot order."""
     gen = torch.Generator().manual_seed(seed)
     heads, n = 5, 40
     values = torch.randn(heads, n, generator=gen, dtype=torch.float64)
     positions = torch.stack([torch.randperm(200, generator=gen)[:n] for _ in range(heads)])
     counts = torch.randint(0, n, (heads,), generator=gen).tolist() if ragged else [7 + seed] * heads
     indices = [torch.randperm(n, generator=gen)[:k] for k in counts]
+    if in_order:
+        positions, indices = positions.sort(dim=1).values, [idx.sort().values for idx in indices]
     if ragged:
         indices[seed % heads] = torch.tensor([], dtype=torch.long)
     memory = SlotMemory.kept(values, positions, indices)

@@ -90,6 +90,9 @@ class RequestPages:
     # the last table built and the tail blocks it was built from (a decode step's table changes
     # only when the tail crosses into a new block; a compaction makes a new RequestPages)
     _table: tuple[tuple[int, ...], torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
+    # the last positions built and the length they were built for (a compression reads them for
+    # its policy's inputs and again for its compaction)
+    _positions: tuple[int, torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         g = self.geometry
@@ -127,14 +130,18 @@ class RequestPages:
     def positions(self, seq_len: int) -> torch.Tensor:
         """[L, H, N] logical positions of every head's virtual sequence when the request holds
         ``seq_len`` tokens, ascending, right-aligned to the longest head's N (-1 on the left):
-        its kept positions, then the tail's consecutive ones."""
+        its kept positions, then the tail's consecutive ones. Built again only for another
+        ``seq_len`` than the last call's (read it, do not write it)."""
+        if self._positions is not None and self._positions[0] == seq_len:
+            return self._positions[1]
         lengths = self.lengths(seq_len).flatten()  # [L*H]
         width = int(lengths.max()) if lengths.numel() else 0
         held, start, tail = self._held_positions()
         virtual = torch.arange(width) - (width - lengths).unsqueeze(1)  # [L*H, N]; < 0: padding
         kept = self._kept_flat()[(start.unsqueeze(1) + virtual).clamp(0, max(int(held.sum()) - 1, 0))]
         out = torch.where(virtual < held.unsqueeze(1), kept, tail.unsqueeze(1) + virtual - held.unsqueeze(1))
-        return out.masked_fill_(virtual < 0, -1).view(*self.counts.shape, width)
+        self._positions = (seq_len, out.masked_fill_(virtual < 0, -1).view(*self.counts.shape, width))
+        return self._positions[1]
 
     def packed_pages(self, kept: list[list[torch.Tensor]], end: int) -> torch.Tensor:
         """[L, H] packed pages each head needs to keep ``kept[l][h]`` at logical length ``end``.
@@ -179,40 +186,44 @@ class RequestPages:
         idx = torch.cat([torch.as_tensor(i, dtype=torch.long) for layer in kept for i in layer])  # kept, head-major
         old_tables = self.tables(block_ids, end).view(heads, -1)
         first_kept = torch.cumsum(counts, 0) - counts
-        packed = self._repack(g.page_ids(targets), pages, idx, first_kept, old_tables)
+        packed, movers = self._repack(g.page_ids(targets), pages, idx, first_kept, old_tables)
         own = torch.nn.functional.pad(packed, (0, 1), value=NO_PAGE).view(heads, -1)  # [L*H, M+1]
         if residue:  # the last `residue` kept cells stay in the head's page of block `growth`
             own.scatter_(1, pages.view(heads, 1), g.page_ids(block_ids[growth : growth + 1]).view(heads, 1))
-        old_positions = self.positions(end).view(heads, -1)  # right-aligned: virtual index v at v + N - length
-        rows = torch.arange(heads)
-        padding = old_positions.shape[1] - self.lengths(end).flatten()
-        # every per-head quantity repeated for each of the head's kept cells, in one pass: [4, n]
-        per_cell = torch.repeat_interleave(torch.stack([
-            rows * old_tables.shape[1], rows * own.shape[1], first_kept, rows * old_positions.shape[1] + padding]),
-            counts, dim=1)
-        table_row, own_row, cell_first, position_row = per_cell
-        dst = torch.arange(idx.numel()) - cell_first  # each kept cell's index in its head's new sequence
-        move = Move(old_tables.view(-1)[table_row + idx // bs], idx % bs, own.view(-1)[own_row + dst // bs], dst % bs)
-        split = torch.split(old_positions.view(-1)[position_row + idx], counts.tolist())
-        positions = [list(split[layer * g.num_kv_heads : (layer + 1) * g.num_kv_heads]) for layer in range(g.num_layers)]
+        # the cells that may move, as (head, index in the head's new sequence): those of the packed
+        # pages not left in place, then each head's last `residue` (a page left in place moves nothing)
+        mover_head, mover_page = movers
+        cell_head = torch.cat([mover_head.repeat_interleave(bs), torch.arange(heads).repeat_interleave(residue)])
+        dst = torch.cat([(mover_page.unsqueeze(1) * bs + torch.arange(bs)).flatten(),
+                         (pages.view(heads, 1) * bs + torch.arange(residue)).flatten()])
+        src = idx[first_kept[cell_head] + dst]  # the cell's virtual index now
+        move = Move(old_tables[cell_head, src // bs], src % bs, own[cell_head, dst // bs], dst % bs)
         moved = (move.src_pages != move.dst_pages) | (move.src_offsets != move.dst_offsets)
         move = Move(move.src_pages[moved], move.src_offsets[moved], move.dst_pages[moved], move.dst_offsets[moved])
+        old_positions = self.positions(end).view(heads, -1)  # right-aligned: virtual index v at v + N - length
+        padding = old_positions.shape[1] - self.lengths(end).flatten()
+        position_row = torch.repeat_interleave(torch.arange(heads) * old_positions.shape[1] + padding, counts)
+        split = torch.split(old_positions.view(-1)[position_row + idx], counts.tolist())
+        positions = [list(split[layer * g.num_kv_heads : (layer + 1) * g.num_kv_heads]) for layer in range(g.num_layers)]
         return move, RequestPages(g, packed, pages, positions, tail_col=growth, first_live_col=first)
 
     def _repack(self, region: torch.Tensor, pages: torch.Tensor, idx: torch.Tensor, first_kept: torch.Tensor,
-                old_tables: torch.Tensor) -> torch.Tensor:
+                old_tables: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """[L, H, max pages] packed page ids of the new layout, from the pages ``region`` [L, H, K]
         of the packed columns. A new packed page whose ``bs`` kept cells are one whole old page
         of the region, at the same offsets, stays where it is (nothing moves: after a decode
         recompression that evicted a run of whole pages' worth of cells, every page past the
         run); the others take the region's remaining pages, each head its own first
         (:func:`assign_pages`). ``idx`` [n]: every head's kept virtual indices, head-major,
-        head ``i``'s from ``first_kept[i]``; ``old_tables`` [L*H, W] the current tables."""
+        head ``i``'s from ``first_kept[i]``; ``old_tables`` [L*H, W] the current tables. Also
+        returns the pages that are not left in place: their heads (flat ``l * H + h``) and
+        indices among the head's packed pages, both [P_moving]."""
         bs, heads = self.geometry.block_size, region.shape[0] * region.shape[1]
         per_head = pages.flatten()
         total = int(per_head.sum())
         if total == 0:
-            return torch.full((*pages.shape, 0), NO_PAGE, dtype=torch.long)
+            none = torch.zeros(0, dtype=torch.long)
+            return torch.full((*pages.shape, 0), NO_PAGE, dtype=torch.long), (none, none)
         head = torch.repeat_interleave(torch.arange(heads), per_head)  # [P] each new page's head
         j = torch.arange(total) - torch.repeat_interleave(torch.cumsum(per_head, 0) - per_head, per_head)
         start = first_kept[head] + j * bs  # each new page's first kept cell in idx
@@ -232,7 +243,7 @@ class RequestPages:
         rank = torch.cumsum(moving.long(), 0) - 1 - torch.repeat_interleave(
             torch.cumsum(wanted, 0) - wanted, per_head)  # among the head's pages that move
         packed[head[moving], j[moving]] = assigned.view(heads, -1)[head[moving], rank[moving]]
-        return packed.view(*pages.shape, -1)
+        return packed.view(*pages.shape, -1), (head[moving], j[moving])
 
     def _held_positions(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per head [L*H]: how many kept positions it holds (the first of its virtual sequence),

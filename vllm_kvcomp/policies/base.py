@@ -977,8 +977,9 @@ class SlotMemory:
     def _kept_rows(cls, values: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                    counts: torch.Tensor) -> SlotMemory:
         """values, positions [R, N] host; row r keeps the next ``counts[r]`` of ``slots`` (every
-        row's kept slots, row after row). One gather and one row-wise sort: each row's kept
-        positions ascending, right-aligned, the -1 padding (value 0) sorted to its left."""
+        row's kept slots, row after row). One gather and, unless the gathered rows already
+        ascend (sorted slots of ascending positions, as the engine's are), one row-wise sort:
+        each row's kept positions ascending, right-aligned, the -1 padding (value 0) to its left."""
         width = int(counts.max()) if len(counts) else 0
         if not width:
             return cls(torch.full((len(counts), 0), -1, dtype=torch.long), torch.zeros((len(counts), 0), dtype=values.dtype))
@@ -988,8 +989,12 @@ class SlotMemory:
         else:
             table = torch.zeros(kept.shape, dtype=torch.long)
             table[kept] = slots  # row-major: each row's slots in its right-aligned columns
-        kept_pos, order = positions.gather(1, table).masked_fill_(~kept, -1).sort(dim=1)
-        return cls(kept_pos, values.gather(1, table).masked_fill_(~kept, 0).gather(1, order))
+        kept_pos = positions.gather(1, table).masked_fill_(~kept, -1)
+        kept_values = values.gather(1, table).masked_fill_(~kept, 0)
+        if bool((kept_pos[:, 1:] >= kept_pos[:, :-1]).all()):
+            return cls(kept_pos, kept_values)
+        kept_pos, order = kept_pos.sort(dim=1)
+        return cls(kept_pos, kept_values.gather(1, order))
 
     def lookup(self, positions: torch.Tensor, fill: float = 0) -> torch.Tensor:
         """[H, N] remembered values at ``positions`` [H, N] (-1 = invalid); ``fill`` elsewhere.
