@@ -120,8 +120,10 @@ class CompressedRequest:
     @property
     def reads_queries(self) -> bool:
         """Whether a query captured now may still be read: until the first compression, and after
-        it only by a policy that recompresses (the others' windows are never read again)."""
-        return not self.pages.compressed or self.policy.recompresses
+        it only by a policy that recompresses (the others' windows are never read again) while
+        its next decision reads the cache (:meth:`~Policy.reads_cache`; one that reads no keys
+        computes no attention: a window sliding past pinned tokens reads positions only)."""
+        return not self.pages.compressed or (self.policy.recompresses and self.policy.reads_cache(self.policy_state))
 
     def captures(self, end: int, drafts: int) -> bool:
         """Whether the queries of a step ending at ``end`` tokens are captured: while
