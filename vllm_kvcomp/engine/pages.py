@@ -182,7 +182,7 @@ class RequestPages:
             raise ValueError(f"{needed} destination blocks needed, {len(destination)} given")
         targets = block_ids[first:growth] if destination is None else torch.as_tensor(destination, dtype=torch.long)
         heads = g.num_layers * g.num_kv_heads
-        counts = torch.tensor([len(idx) for layer in kept for idx in layer], dtype=torch.long)  # [L*H]
+        counts = (pages * bs + residue).flatten()  # [L*H] kept per head (packed_pages checked them)
         idx = torch.cat([torch.as_tensor(i, dtype=torch.long) for layer in kept for i in layer])  # kept, head-major
         old_tables = self.tables(block_ids, end).view(heads, -1)
         first_kept = torch.cumsum(counts, 0) - counts
@@ -197,9 +197,10 @@ class RequestPages:
         dst = torch.cat([(mover_page.unsqueeze(1) * bs + torch.arange(bs)).flatten(),
                          (pages.view(heads, 1) * bs + torch.arange(residue)).flatten()])
         src = idx[first_kept[cell_head] + dst]  # the cell's virtual index now
-        move = Move(old_tables[cell_head, src // bs], src % bs, own[cell_head, dst // bs], dst % bs)
-        moved = (move.src_pages != move.dst_pages) | (move.src_offsets != move.dst_offsets)
-        move = Move(move.src_pages[moved], move.src_offsets[moved], move.dst_pages[moved], move.dst_offsets[moved])
+        src_pages, src_offsets = old_tables[cell_head, src // bs], src % bs
+        dst_pages, dst_offsets = own[cell_head, dst // bs], dst % bs
+        moved = (src_pages != dst_pages) | (src_offsets != dst_offsets)
+        move = Move(src_pages[moved], src_offsets[moved], dst_pages[moved], dst_offsets[moved])
         old_positions = self.positions(end).view(heads, -1)  # right-aligned: virtual index v at v + N - length
         padding = old_positions.shape[1] - self.lengths(end).flatten()
         position_row = torch.repeat_interleave(torch.arange(heads) * old_positions.shape[1] + padding, counts)
