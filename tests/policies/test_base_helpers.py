@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.policies.conftest import compressions, make_policy
 from vllm_kvcomp.policies import base
 from vllm_kvcomp.policies.base import (
     LayerKV,
@@ -74,10 +75,41 @@ def test_keep_pinned():
     kv = LayerKV(torch.zeros(1, 12, 2), torch.zeros(1, 12, 2))
     pinned = torch.zeros(1, 12, dtype=torch.bool)
     pinned[0, [4, 6]] = True
-    (chosen, priority), = keep_pinned_layers([kv], [pinned], [2], [7])
-    assert chosen[0].tolist() == [0, 1, 4, 6, 9, 10, 11]
+    (chosen, priority, holds_pins), = keep_pinned_layers([kv], [pinned], [2], [7])
+    assert chosen[0].tolist() == [0, 1, 4, 6, 9, 10, 11] and holds_pins
     scores = priority.scores
     assert scores.shape == (1, 12) and bool(scores[0, 4] > scores[0, 11] > scores[0, 10])
+
+
+def _remembered(memory: SlotMemory) -> list[set[int]]:
+    return [set(row[row >= 0].tolist()) for row in memory.positions]
+
+
+@pytest.mark.parametrize("name", ["sagekv", "entropy"])
+def test_a_slide_that_must_drop_pins_remembers_the_kept_ones_only(name, fake_request):
+    """A pin memory keeps what its slides keep: when a slide must drop pinned tokens (its budget
+    cut below sink + pins here, which the policies' own budgets never ask), the memory forgets
+    exactly those, and remembers every pin it kept; a slide that keeps every pin leaves it as is."""
+    policy = make_policy(name, ratio=0.5)
+    before: dict[int, list[set[int]]] = {}
+    lost = 0
+    for i, done in enumerate(compressions(policy, fake_request(64, 2, 3, seed=3), decode_steps=40)):
+        memories = {kv.layer: done.state.layers[kv.layer] for kv in done.layers}
+        if i == 0:  # the first selection pinned; cut every layer's budget to its sink + 1
+            before = {layer: _remembered(memory.pinned) for layer, memory in memories.items()}
+            done.state.budget = 1 + max(memory.sink for memory in memories.values())
+            for memory in memories.values():
+                if hasattr(memory, "budget"):
+                    memory.budget = memory.sink + 1
+            continue
+        for kv, sel in zip(done.layers, done.selections):
+            positions = kv.slot_positions()
+            for h, idx in enumerate(sel.indices):
+                kept = set(positions[h, idx].tolist())
+                assert _remembered(memories[kv.layer].pinned)[h] == before[kv.layer][h] & kept
+                lost += len(before[kv.layer][h] - kept)
+        break
+    assert lost, "no slide dropped a pin"
 
 
 def _random_layers(gen: torch.Generator, count: int, heads: int = 3) -> list[LayerKV]:
@@ -104,13 +136,14 @@ def test_keep_pinned_of_every_layer_at_once_is_its_definition_per_layer(seed):
     sinks = torch.randint(0, 6, (5,), generator=gen).tolist()
     keeps = torch.randint(1, 120, (5,), generator=gen).tolist()
     out = keep_pinned_layers(layers, pinned, sinks, keeps)
-    for kv, pins, sink, keep, (chosen, priority) in zip(layers, pinned, sinks, keeps, out):
+    for kv, pins, sink, keep, (chosen, priority, holds_pins) in zip(layers, pinned, sinks, keeps, out):
         n = kv.num_slots
         scores = (torch.arange(n, dtype=torch.float32) / n).expand(kv.num_kv_heads, -1) + 2.0 * pins.float()
         assert torch.equal(priority.scores, scores)
         assert torch.equal(priority.order, base.ranked_slots(scores))
         expected = protected_topk(scores, keep, kv.valid_lengths(), sink, 0)
         assert [c.tolist() for c in chosen] == [e.tolist() for e in expected]
+        assert holds_pins == all(set(torch.nonzero(p).flatten().tolist()) <= set(c.tolist()) for p, c in zip(pins, chosen))
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -75,16 +75,22 @@ def check_protected(policy: Policy, done: Compression) -> None:
 
 
 def check_memory(done: Compression) -> None:
-    """Per-slot memories hold exactly the kept tokens' positions (gathered with the selection)."""
+    """Per-slot memories remember kept tokens only (gathered with the selection): every kept
+    token of a memory of values (H2O's scores), a subset of a memory of marks (pins)."""
     for kv, sel in zip(done.layers, done.selections):
         positions = kv.slot_positions()
         memory = done.state.layers.get(kv.layer)
         for value in vars(memory).values() if memory is not None else ():
             if not isinstance(value, SlotMemory):
                 continue
+            marks = bool(value.values[value.positions >= 0].eq(1).all())
             for h, idx in enumerate(sel.indices):
                 remembered = value.positions[h][value.positions[h] >= 0]
-                assert torch.equal(remembered, positions[h, idx]), "slot memory not gathered to the kept slots"
+                kept = positions[h, idx]
+                if marks:
+                    assert bool(torch.isin(remembered, kept).all()), "a pin memory remembers an evicted token"
+                else:
+                    assert torch.equal(remembered, kept), "slot memory not gathered to the kept slots"
 
 
 def check_compression(policy: Policy, done: Compression, check_indices, first: bool = True) -> None:

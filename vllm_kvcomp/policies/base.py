@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -278,7 +278,8 @@ class RequestState:
     compression (a head of an adaptive allocation may hold several times ``budget``), the mark a
     recompression waits a page past. ``layers[i]`` is the policy's own typed memory of layer i (one
     dataclass per policy, :meth:`layer`: H2O accumulators, LagKV cursors), indexed by the *slots
-    kept*: a policy that stores per-slot values gathers them with what :meth:`Policy.decide` kept.
+    kept*: a policy that stores per-slot values gathers them with what :meth:`Policy.decide` kept
+    (one that marks a subset, as pins, remembers kept slots only: :func:`kept_pins`).
     """
 
     prompt_len: int = 0
@@ -1030,17 +1031,33 @@ class SlotMemory:
         return [rows[:, width - w:] for rows, w in zip(found.split([p.shape[0] for p in positions]), widths)]
 
 
+class PinnedPick(NamedTuple):
+    """One layer's pick of :func:`keep_pinned_layers`."""
+
+    chosen: list[torch.Tensor]  # H_kv sorted slot indices
+    priority: Ranking  # [H_kv, N] recency + 2·pinned
+    holds_pins: bool  # every pinned slot is chosen (a pin memory keyed by position stays true as it is)
+
+
+def _latest(mask: torch.Tensor, quota: torch.Tensor) -> torch.Tensor:
+    """[R, N] bool: each row's last ``quota[r]`` True slots of ``mask``."""
+    flags = mask.to(torch.int32)
+    from_end = flags.sum(1, keepdim=True) - flags.cumsum(1, dtype=torch.int32) + flags  # True slots at or after
+    return mask & (from_end <= quota.to(torch.int32).unsqueeze(1))
+
+
 def keep_pinned_layers(layers: Sequence[LayerKV], pinned: Sequence[torch.Tensor], sinks: Sequence[int],
-                       keeps: Sequence[int]) -> list[tuple[list[torch.Tensor], Ranking]]:
+                       keeps: Sequence[int]) -> list[PinnedPick]:
     """Per layer and head: the first ``sink`` live slots, the pinned slots, then the most recent,
     up to ``keep`` (per layer pinned [H_kv, N_l] bool, sink and keep).
 
     For policies whose selected set stays while the recent window slides (SAGE-KV,
-    entropy-guided budgets). Returns per layer H_kv sorted index tensors of ``min(keep, length)``
-    and the priority [H_kv, N_l] they were ranked by (recency + 2·pinned: pinned first, then the
-    most recent), its order made without a sort. Every layer in one pass: their rows stacked
-    right-aligned (padding is never pinned, never live, and ranks last, so dropping it keeps each
-    layer's order)."""
+    entropy-guided budgets). Returns per layer H_kv sorted index tensors of ``min(keep, length)``,
+    the priority [H_kv, N_l] they were ranked by (recency + 2·pinned: pinned first, then the
+    most recent; sorted only if the page rounding asks), and whether every pinned slot was chosen.
+    The pick is :func:`protected_mask`'s under that priority, counted instead of ranked: the sink,
+    then the most recent pinned slots, then the most recent others. Every layer in one pass:
+    their rows stacked right-aligned (padding is never pinned, never live, and ranks last)."""
     if not layers:
         return []
     heads, widths = layers[0].num_kv_heads, [kv.num_slots for kv in layers]
@@ -1053,12 +1070,27 @@ def keep_pinned_layers(layers: Sequence[LayerKV], pinned: Sequence[torch.Tensor]
     scores = recency + 2.0 * flags.float()
     rankings = [Ranking(scores[i * heads : (i + 1) * heads, pad:]) for i, pad in enumerate(pads)]
     rows = LayerRows(rankings, [kv.valid_lengths() for kv in layers], Ranking(scores))
-    latest_first = flags.flip(-1)  # column j: slot n - 1 - j
-    rank = torch.where(latest_first, latest_first.cumsum(1) - 1,
-                       (~latest_first).cumsum(1) - 1 + latest_first.sum(1, keepdim=True))
-    rows.ranking.take_order(torch.empty_like(rank).scatter_(1, rank, torch.arange(n - 1, -1, -1).expand_as(rank)))
-    mask = protected_mask(rows.ranking, rows.per_row(list(keeps)), rows.lengths, rows.per_row(list(sinks)), 0)
-    return list(zip(rows.split(mask), rankings))
+    keep = torch.minimum(rows.per_row(list(keeps)).clamp(min=0), rows.lengths)
+    sink = torch.minimum(keep, rows.per_row(list(sinks)))
+    start = (n - rows.lengths).unsqueeze(1)
+    slots = torch.arange(n).unsqueeze(0)
+    live = slots >= start
+    whole = (keep >= rows.lengths).unsqueeze(1)
+    protected = live & (whole | (slots < start + sink.unsqueeze(1)))
+    candidates = live & ~protected
+    pins, others = candidates & flags, candidates & ~flags
+    rest = keep - sink  # 0 past a whole head: it has no candidates
+    spare = (rest - pins.sum(1)).clamp(min=0)
+    mask = protected | _latest(pins, rest) | _latest(others, spare)
+    dropped = (flags & ~mask).view(len(layers), -1).any(dim=1).tolist()  # a pinned slot left out, per layer
+    return [PinnedPick(chosen, ranking, not lost) for chosen, ranking, lost in zip(rows.split(mask), rankings, dropped)]
+
+
+def kept_pins(pinned: torch.Tensor, kept: Selection) -> list[torch.Tensor]:
+    """Per head the slots of ``kept`` that ``pinned`` [H_kv, N] bool marks: what a pin memory
+    (:class:`SlotMemory` of ones, looked up with fill 0) remembers, so that a later pick that
+    keeps every pin leaves it as it is (:class:`PinnedPick`)."""
+    return head_rows(pinned & slot_mask(kept.indices, pinned.shape[1]))
 
 
 def out_proj_heads(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -1077,6 +1109,7 @@ def ceil_div(a: int, b: int) -> int:
 __all__ = [
     "Compensation",
     "LayerKV",
+    "PinnedPick",
     "Policy",
     "Ranking",
     "Ranks",
@@ -1086,6 +1119,7 @@ __all__ = [
     "SlotMemory",
     "ceil_div",
     "keep_pinned_layers",
+    "kept_pins",
     "out_proj_heads",
     "page_count",
     "page_counts",

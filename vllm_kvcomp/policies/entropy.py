@@ -40,6 +40,7 @@ from vllm_kvcomp.policies.base import (
     Selection,
     SlotMemory,
     keep_pinned_layers,
+    kept_pins,
     protected_topk,
     slot_mask,
     snap_to_pages,
@@ -196,16 +197,22 @@ class EntropyBudget(Policy):
             memory.picked = pins > 0
         kept = keep_pinned_layers(layers, [m.picked for m in memories], [m.sink for m in memories],
                                   [m.budget for m in memories])
-        return [Selection(chosen, priority=priority) for chosen, priority in kept]
+        for memory, pick in zip(memories, kept):
+            if pick.holds_pins:  # its pins, by position, are what they were: nothing to commit
+                memory.picked = None
+        return [Selection(pick.chosen, priority=pick.priority) for pick in kept]
 
     def commit_kept(self, layers: Sequence[LayerKV], state: RequestState, picks: Sequence[Selection],
                     kept: Sequence[Selection]) -> None:
-        """The picked tokens that are kept stay pinned (by logical position; every layer at once)."""
+        """The picked tokens that are kept stay pinned (by logical position; every layer that
+        picked at once; a slide that kept every pin leaves its layer as it is)."""
         memories = [state.layer(kv.layer, EntropyMemory) for kv in layers]
-        pinned = SlotMemory.kept_layers([m.picked.float() for m in memories], [kv.slot_positions() for kv in layers],
-                                        [selection.indices for selection in kept])
-        for memory, pins in zip(memories, pinned):
-            memory.pinned, memory.picked = pins, None
+        picked = [i for i, memory in enumerate(memories) if memory.picked is not None]
+        pinned = SlotMemory.kept_layers([memories[i].picked.float() for i in picked],
+                                        [layers[i].slot_positions() for i in picked],
+                                        [kept_pins(memories[i].picked, kept[i]) for i in picked])
+        for i, pins in zip(picked, pinned):
+            memories[i].pinned, memories[i].picked = pins, None
 
 
 @dataclass
@@ -215,4 +222,5 @@ class EntropyMemory:
     budget: int | None = None
     sink: int = 0
     pinned: SlotMemory | None = None
-    picked: torch.Tensor | None = None  # [H_kv, N] bool pinned slots of this pick, until committed
+    #: [H_kv, N] bool pinned slots of this pick, until committed (None after a slide that kept every pin)
+    picked: torch.Tensor | None = None

@@ -44,6 +44,7 @@ from vllm_kvcomp.policies.base import (
     Selection,
     SlotMemory,
     keep_pinned_layers,
+    kept_pins,
     window_attention,
 )
 
@@ -136,17 +137,21 @@ class SageKV(ScorePolicy):
             memory.sliding = pins > 0
         kept = keep_pinned_layers(layers, [m.sliding for m in memories], [m.sink for m in memories],
                                   [int(state.budget or 0)] * len(layers))
-        return [Selection(chosen, priority=priority) for chosen, priority in kept]
+        for memory, pick in zip(memories, kept):
+            if pick.holds_pins:  # its pins, by position, are what they were: nothing to commit
+                memory.sliding = None
+        return [Selection(pick.chosen, priority=pick.priority) for pick in kept]
 
     def commit_kept(self, layers: Sequence[LayerKV], state: RequestState, picks: Sequence[Selection],
                     kept: Sequence[Selection]) -> None:
-        """A sliding layer's pinned tokens that are kept stay pinned (every such layer at once);
-        a fresh pick pins what it chose (:meth:`commit`)."""
+        """A sliding layer that lost pinned tokens pins those it kept (every such layer at once;
+        one that kept them all stays as it is); a fresh pick pins what it chose (:meth:`commit`)."""
         memories = [state.layer(kv.layer, SageKVMemory) for kv in layers]
         slid = [i for i, memory in enumerate(memories) if memory.sliding is not None]
-        fresh = [i for i, memory in enumerate(memories) if memory.sliding is None]
+        fresh = [i for i, memory in enumerate(memories) if memory.pinned is None]
         pinned = SlotMemory.kept_layers([memories[i].sliding.float() for i in slid],
-                                        [layers[i].slot_positions() for i in slid], [kept[i].indices for i in slid])
+                                        [layers[i].slot_positions() for i in slid],
+                                        [kept_pins(memories[i].sliding, kept[i]) for i in slid])
         for i, memory in zip(slid, pinned):
             memories[i].pinned, memories[i].sliding = memory, None
         for i in fresh:
@@ -161,15 +166,16 @@ class SageKV(ScorePolicy):
         kept = torch.zeros(kv.num_kv_heads, kv.num_slots, dtype=torch.bool)
         for h, idx in enumerate(chosen):
             kept[h, idx] = True
-        pinned = (kept & self.eviction_region(kv, state)).float()
-        memory.pinned = SlotMemory.kept(pinned, kv.slot_positions(), selection.indices)
+        pinned = kept & self.eviction_region(kv, state)
+        memory.pinned = SlotMemory.kept(pinned.float(), kv.slot_positions(), kept_pins(pinned, selection))
         memory.sink = self.split(kv, state)[0]
 
 
 @dataclass
 class SageKVMemory:
-    """One layer's pinned selection (by logical position) once a compression evicted something."""
+    """One layer's pinned selection (its positions, :func:`kept_pins`) once a compression evicted something."""
 
     pinned: SlotMemory | None = None
     sink: int = 0
-    sliding: torch.Tensor | None = None  # [H_kv, N] pinned slots of a decode pick, until committed
+    #: [H_kv, N] pinned slots of a decode pick that left some out, until committed
+    sliding: torch.Tensor | None = None
