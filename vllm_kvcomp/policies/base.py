@@ -1079,7 +1079,7 @@ def keep_pinned_layers(layers: Sequence[LayerKV], pinned: Sequence[torch.Tensor]
     protected = live & (whole | (slots < start + sink.unsqueeze(1)))
     candidates = live & ~protected
     pins, others = candidates & flags, candidates & ~flags
-    rest = keep - sink  # 0 past a whole head: it has no candidates
+    rest = keep - sink  # a whole head has no candidates: what it is given here takes nothing
     spare = (rest - pins.sum(1)).clamp(min=0)
     mask = protected | _latest(pins, rest) | _latest(others, spare)
     dropped = (flags & ~mask).view(len(layers), -1).any(dim=1).tolist()  # a pinned slot left out, per layer

@@ -45,6 +45,7 @@ from vllm_kvcomp.policies.base import (
     SlotMemory,
     keep_pinned_layers,
     kept_pins,
+    slot_mask,
     window_attention,
 )
 
@@ -163,10 +164,7 @@ class SageKV(ScorePolicy):
         if int(kv.valid_lengths().max()) <= int(state.budget or 0):
             return
         memory = state.layer(kv.layer, SageKVMemory)
-        kept = torch.zeros(kv.num_kv_heads, kv.num_slots, dtype=torch.bool)
-        for h, idx in enumerate(chosen):
-            kept[h, idx] = True
-        pinned = kept & self.eviction_region(kv, state)
+        pinned = slot_mask(chosen, kv.num_slots) & self.eviction_region(kv, state)
         memory.pinned = SlotMemory.kept(pinned.float(), kv.slot_positions(), kept_pins(pinned, selection))
         memory.sink = self.split(kv, state)[0]
 
