@@ -127,6 +127,25 @@ def test_move_reads_every_source_before_writing(kind, device):
     torch.testing.assert_close(cache.pages[untouched], before[untouched], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(("kind", "device"), CASES)
+def test_a_large_move_changes_exactly_its_destinations(kind, device):
+    """A decode recompression's move at scale: cells of a few pages shuffled onto each other's
+    places (most destinations are other moves' sources). The whole buffer afterwards equals
+    writing every source's old content to its destination, cell by cell, and nothing else."""
+    cache = CLASSES[kind](buffer(device))
+    cache.pages.copy_(torch.randn_like(cache.pages))
+    want = CLASSES[kind](buffer(device))
+    want.pages.copy_(cache.pages)
+    pages = torch.randperm(cache.num_pages, device=device)[:12]
+    pool_pages, pool_offsets = pages.repeat_interleave(BS), torch.arange(BS, device=device).repeat(12)
+    n = 10 * BS
+    src, dst = torch.randperm(12 * BS, device=device)[:n], torch.randperm(12 * BS, device=device)[:n]
+    keys, values = cache.read_cells(pool_pages[src], pool_offsets[src])
+    want.write_cells(pool_pages[dst], pool_offsets[dst], keys, values)
+    cache.move(Move(pool_pages[src], pool_offsets[src], pool_pages[dst], pool_offsets[dst]))
+    torch.testing.assert_close(cache.pages, want.pages, rtol=0, atol=0)
+
+
 def test_refusals():
     with pytest.raises(NotImplementedError, match="kv-cache-dtype auto"):
         CudaPagedCache([torch.zeros(2, HK, BS, 2 * D, dtype=torch.uint8)])

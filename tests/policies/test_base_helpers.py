@@ -16,6 +16,7 @@ from vllm_kvcomp.policies.base import (
     page_count,
     protected_topk,
     round_to_pages,
+    window_logits,
 )
 from vllm_kvcomp.policies.streamingllm import StreamingLLM
 
@@ -356,3 +357,31 @@ def test_snapping_leaves_whole_layers_and_empty_floors_and_no_grid_alone():
     assert base.snap_to_pages([20, 70], (32, 0), 1000) == [20, 96]  # 20 floors to 0: stays; 70 -> 64 + the missing page
     assert base.snap_to_pages([48, 48], (32, 0), 1000) == [64, 32]  # the lower layer gets the page on a tie
     assert base.snap_to_pages([50, 46], (32, 0), 1000) == [64, 32]  # the larger remainder first
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_window_logits_hide_exactly_the_padding_and_the_future(seed, shuffled):
+    """Scaled q·k of every window query and slot, -inf where the slot is padding (position -1)
+    or after the query (causal), against a plain loop; right-aligned heads of unequal lengths,
+    positions in virtual order or shuffled (the masking must not lean on their order)."""
+    gen = torch.Generator().manual_seed(seed)
+    hk, group, w, n, dim = 3, 2, 5, 40, 8
+    lengths = torch.tensor([40, 33, 21])
+    slot = torch.arange(n).expand(hk, n) - (n - lengths).unsqueeze(1)  # < 0: left padding
+    positions = (slot + 7).masked_fill(slot < 0, -1)  # live slots hold positions 7, 8, ...
+    if shuffled:
+        positions = positions[:, torch.randperm(n, generator=gen)]
+    query_positions = torch.arange(40, 40 + w)  # slots at 41..46 are the future of some queries
+    kv = LayerKV(torch.randn(hk, n, dim, generator=gen), None, lengths=lengths, positions=positions,
+                 queries=torch.randn(hk * group, w, dim, generator=gen), query_positions=query_positions, scale=0.3)
+    got = window_logits(kv)
+    for q in range(hk * group):
+        for i in range(w):
+            for s in range(n):
+                pos = int(positions[q // group, s])
+                if pos < 0 or pos > int(query_positions[i]):
+                    assert got[q, i, s] == float("-inf")
+                else:
+                    want = 0.3 * float(kv.queries[q, i] @ kv.keys[q // group, s])
+                    assert float(got[q, i, s]) == pytest.approx(want, rel=1e-5, abs=1e-5)

@@ -129,7 +129,7 @@ class PagedCache(ABC):
     @abstractmethod
     def read_pages(self, pages: torch.Tensor, values: bool = True) -> Tensors:
         """Keys, values [..., n * bs, D] of whole ``pages`` [..., n], cells in page order: copies
-        in buffers this cache reuses, valid until its next ``read_pages``; values None unless
+        in buffers this cache reuses, valid until its next ``read_pages`` or ``move``; values None unless
         ``values``."""
 
     def scratch(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -179,11 +179,26 @@ class CpuPagedCache(PagedCache):
         halves = self.pages.view(self.num_pages, 2, bs * d)
         self.keys_t = halves[:, 0].view(self.num_pages, d, bs)
         self.values = halves[:, 1].view(self.num_pages, bs, d)
+        self.value_rows = self.pages.view(-1, d)  # [pages * 2bs, D]: (page p, offset o)'s value is row 2bs·p + bs + o
         # the kernel's own view of a cache (as CPU_ATTN builds it), with one head per "block"
         self.kernel_keys, self.kernel_values = self.pages.view(self.num_pages, 1, 2 * bs, d).chunk(2, dim=2)
 
     def read_cells(self, pages: torch.Tensor, offsets: torch.Tensor, values: bool = True) -> Tensors:
         return self.keys_t[pages, :, offsets], self.values[pages, offsets] if values else None
+
+    def move(self, move: Move) -> None:
+        """Gathered into the buffers :meth:`read_pages` reuses (a decode recompression of H2O at
+        8K moves ~170K cells: fresh buffers of that size cost more in page faults than the copy),
+        then written: keys by (page, :, offset), values as rows of :attr:`value_rows`."""
+        if len(move):
+            bs, d, n = self.geometry.block_size, self.head_dim, len(move)
+            src_pages, src_offsets = move.src_pages.to(self.device), move.src_offsets.to(self.device)
+            dst_pages, dst_offsets = move.dst_pages.to(self.device), move.dst_offsets.to(self.device)
+            keys, values = self.scratch("keys_t", (n, d)), self.scratch("values", (n, d))
+            torch.ops.aten.index.Tensor_out(self.keys_t, [src_pages, None, src_offsets], out=keys)
+            torch.index_select(self.value_rows, 0, (2 * src_pages + 1) * bs + src_offsets, out=values)
+            self.keys_t[dst_pages, :, dst_offsets] = keys
+            self.value_rows.index_copy_(0, (2 * dst_pages + 1) * bs + dst_offsets, values)
 
     def read_pages(self, pages: torch.Tensor, values: bool = True) -> Tensors:
         bs, d, flat = self.geometry.block_size, self.head_dim, pages.reshape(-1)

@@ -470,10 +470,17 @@ def window_logits(kv: LayerKV) -> torch.Tensor:
     # query head i reads KV head i // group; scaled before the product (w·D values, not w·N)
     queries = (kv.queries.to(acc) * kv.softmax_scale).reshape(hk, hq // hk * w, d)
     logits = torch.matmul(queries, kv.keys.to(acc).transpose(1, 2)).view(hk, hq // hk, w, -1)  # [H_kv, G, w, N]
-    # the causal mask is built where the logits are: positions [H_kv, N] travel, not the mask [H_kv, 1, w, N]
-    key_pos = kv.slot_positions().to(logits.device).view(hk, 1, 1, -1)  # [H_kv, 1, 1, N]
-    q_pos = kv.window_query_positions().to(logits.device).view(1, 1, -1, 1)  # [1, 1, w, 1]
-    return logits.masked_fill_((key_pos < 0) | (key_pos > q_pos), float("-inf")).view(hq, w, -1)
+    # only the columns some query does not see are masked (the padding and the newest slots: a
+    # few of N); they are found on the host, where the positions are, and only they travel
+    key_pos, q_pos = kv.slot_positions(), kv.window_query_positions()  # [H_kv, N], [w]
+    columns = torch.nonzero(((key_pos < 0) | (key_pos > q_pos.min())).any(0)).squeeze(1)  # [c]
+    if columns.numel():
+        key_pos = key_pos[:, columns].to(logits.device).view(hk, 1, 1, -1)  # [H_kv, 1, 1, c]
+        q_pos = q_pos.to(logits.device).view(1, 1, -1, 1)  # [1, 1, w, 1]
+        at = columns.to(logits.device)
+        hidden = logits.index_select(3, at).masked_fill_((key_pos < 0) | (key_pos > q_pos), float("-inf"))
+        logits.index_copy_(3, at, hidden)
+    return logits.view(hq, w, -1)
 
 
 def window_attention(kv: LayerKV) -> torch.Tensor:
