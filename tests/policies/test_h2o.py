@@ -151,3 +151,38 @@ def test_budget_rounds_up_where_the_references_truncate(ratio, n, kept, truncate
                  queries=torch.randn(1, 1, 4, generator=gen))
     assert int(ratio * n) == truncated
     assert len(H2O(ratio=ratio, window=1).decide([kv], RequestState())[0].indices[0]) == kept
+
+
+def test_every_layer_at_once_scores_and_remembers_as_each_layer_alone():
+    """``decide`` over several layers (their memories looked up in one search and remembered in
+    one gather, heads of unequal widths across layers) keeps and remembers what each layer decided
+    alone keeps and remembers, over two compressions."""
+    gen = torch.Generator().manual_seed(3)
+    policy = H2O(budget=8, window=4, interval=4)
+
+    def layer(index, keys, positions, new):
+        queries = torch.randn(4, 4, 4, generator=gen)
+        last = int(positions.max()) + 1
+        return LayerKV(keys, None, layer=index, num_layers=2, positions=positions, queries=queries,
+                       query_positions=torch.arange(last - 4, last) if new is None else torch.arange(last - new, last)[-4:])
+
+    first = [layer(i, torch.randn(2, n, 4, generator=gen), torch.arange(n).expand(2, n), None)
+             for i, n in enumerate((20, 14))]
+    together, apart = RequestState(), [RequestState(), RequestState()]
+    kept = policy.decide(first, together)
+    alone = [policy.decide([kv], state)[0] for kv, state in zip(first, apart)]
+    second = []
+    for kv, sel, new in zip(first, kept, (4, 6)):
+        assert [i.tolist() for i in sel.indices] == [i.tolist() for i in alone[kv.layer].indices]
+        idx = torch.stack(sel.indices)
+        positions = torch.cat([kv.positions.gather(1, idx), torch.arange(new).expand(2, new) + kv.num_slots], 1)
+        keys = torch.cat([kv.keys.gather(1, idx.unsqueeze(-1).expand(-1, -1, 4)), torch.randn(2, new, 4, generator=gen)], 1)
+        second.append(layer(kv.layer, keys, positions, new))
+    kept = policy.decide(second, together)
+    alone = [policy.decide([kv], state)[0] for kv, state in zip(second, apart)]
+    for kv, sel, own, state in zip(second, kept, alone, apart):
+        assert [i.tolist() for i in sel.indices] == [i.tolist() for i in own.indices]
+        mine, theirs = together.layer(kv.layer, H2OMemory), state.layer(kv.layer, H2OMemory)
+        assert mine.counted == theirs.counted == int(kv.query_positions.max())
+        assert torch.equal(mine.acc.positions, theirs.acc.positions)
+        torch.testing.assert_close(mine.acc.values, theirs.acc.values, rtol=0, atol=0)

@@ -855,6 +855,10 @@ class ScorePolicy(Policy):
         ``kv.keys`` or on the host."""
         raise NotImplementedError
 
+    def score_layers(self, layers: Sequence[LayerKV], state: RequestState) -> list[torch.Tensor]:
+        """:meth:`score` of every layer (a policy may do what its layers share once)."""
+        return [self.score(kv, state) for kv in layers]
+
     def protected(self) -> tuple[int, int]:
         """(sink, window) always kept."""
         return int(getattr(self, "sink", 0) or 0), int(getattr(self, "window", 0) or 0)
@@ -904,7 +908,7 @@ class ScorePolicy(Policy):
             return []
         lengths = [kv.valid_lengths() for kv in layers]
         protected = [self.protected_for(kv, state) for kv in layers]
-        scores = [self.score(kv, state).float() for kv in layers]  # allocations rank where the policy scored
+        scores = [s.float() for s in self.score_layers(layers, state)]  # allocations rank where the policy scored
         over_ranks = across_heads and state.ranks.size > 1
         rankings = [Ranking(s.cpu() if over_ranks else s) for s in scores]  # gathered over the ranks on the host
         if over_ranks:

@@ -28,7 +28,7 @@ Deliberate choices (issue #17, pinned in ``tests/policies/test_h2o.py``):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -73,12 +73,26 @@ class H2O(HeadsChoice, ScorePolicy):
     def score(self, kv: LayerKV, state: RequestState) -> torch.Tensor:
         """[H_kv, N] accumulator after adding the not-yet-counted window queries.
 
-        Does not commit: repeated calls before :meth:`commit` give the same result.
+        Does not commit: repeated calls before :meth:`commit_kept` give the same result.
         """
-        memory = state.layer(kv.layer, H2OMemory)
-        positions = kv.slot_positions()
-        device = kv.keys.device  # the accumulators are ranked where the cache is; they are kept on the host
-        acc = (memory.acc.lookup(positions) if memory.acc is not None else torch.zeros(positions.shape)).to(device)
+        return self.score_layers([kv], state)[0]
+
+    def score_layers(self, layers: Sequence[LayerKV], state: RequestState) -> list[torch.Tensor]:
+        """:meth:`score` of every layer, their memories looked up in one search."""
+        memories = [state.layer(kv.layer, H2OMemory) for kv in layers]
+        positions = [kv.slot_positions() for kv in layers]
+        remembered = [m.acc for m in memories]
+        if all(acc is not None for acc in remembered):
+            carried = SlotMemory.lookup_layers(remembered, positions)
+        else:  # a first compression remembers nothing
+            carried = [torch.zeros(p.shape) if acc is None else acc.lookup(p) for acc, p in zip(remembered, positions)]
+        return [self._add_window(kv, memory, acc) for kv, memory, acc in zip(layers, memories, carried)]
+
+    @staticmethod
+    def _add_window(kv: LayerKV, memory: H2OMemory, acc: torch.Tensor) -> torch.Tensor:
+        """[H_kv, N] the carried accumulator ``acc`` plus the window queries not yet counted,
+        pending in ``memory`` until the commit."""
+        acc = acc.to(kv.keys.device)  # the accumulators are ranked where the cache is; they are kept on the host
         counted = memory.counted
         query_pos = kv.window_query_positions()
         fresh = query_pos > counted
@@ -91,10 +105,15 @@ class H2O(HeadsChoice, ScorePolicy):
         memory.pending = (acc, counted)
         return acc
 
-    def commit(self, kv: LayerKV, state: RequestState, selection: Selection, chosen: list[torch.Tensor]) -> None:
-        memory = state.layer(kv.layer, H2OMemory)
-        acc, memory.counted = memory.pending
-        memory.acc, memory.pending = SlotMemory.kept(acc, kv.slot_positions(), selection.indices), None
+    def commit_kept(self, layers: Sequence[LayerKV], state: RequestState, picks: Sequence[Selection],
+                    kept: Sequence[Selection]) -> None:
+        """Every layer's pending accumulators, remembered at its kept slots (one gather for all)."""
+        memories = [state.layer(kv.layer, H2OMemory) for kv in layers]
+        pending = [m.pending for m in memories]
+        accs = SlotMemory.kept_layers([acc for acc, _ in pending], [kv.slot_positions() for kv in layers],
+                                      [selection.indices for selection in kept])
+        for memory, (_, counted), acc in zip(memories, pending, accs):
+            memory.acc, memory.counted, memory.pending = acc, counted, None
 
 
 @dataclass
