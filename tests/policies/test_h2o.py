@@ -160,14 +160,12 @@ def test_every_layer_at_once_scores_and_remembers_as_each_layer_alone():
     gen = torch.Generator().manual_seed(3)
     policy = H2O(budget=8, window=4, interval=4)
 
-    def layer(index, keys, positions, new):
-        queries = torch.randn(4, 4, 4, generator=gen)
+    def layer(index, keys, positions):  # the window: the last 4 positions
         last = int(positions.max()) + 1
-        return LayerKV(keys, None, layer=index, num_layers=2, positions=positions, queries=queries,
-                       query_positions=torch.arange(last - 4, last) if new is None else torch.arange(last - new, last)[-4:])
+        return LayerKV(keys, None, layer=index, num_layers=2, positions=positions,
+                       queries=torch.randn(4, 4, 4, generator=gen), query_positions=torch.arange(last - 4, last))
 
-    first = [layer(i, torch.randn(2, n, 4, generator=gen), torch.arange(n).expand(2, n), None)
-             for i, n in enumerate((20, 14))]
+    first = [layer(i, torch.randn(2, n, 4, generator=gen), torch.arange(n).expand(2, n)) for i, n in enumerate((20, 14))]
     together, apart = RequestState(), [RequestState(), RequestState()]
     kept = policy.decide(first, together)
     alone = [policy.decide([kv], state)[0] for kv, state in zip(first, apart)]
@@ -177,7 +175,7 @@ def test_every_layer_at_once_scores_and_remembers_as_each_layer_alone():
         idx = torch.stack(sel.indices)
         positions = torch.cat([kv.positions.gather(1, idx), torch.arange(new).expand(2, new) + kv.num_slots], 1)
         keys = torch.cat([kv.keys.gather(1, idx.unsqueeze(-1).expand(-1, -1, 4)), torch.randn(2, new, 4, generator=gen)], 1)
-        second.append(layer(kv.layer, keys, positions, new))
+        second.append(layer(kv.layer, keys, positions))
     kept = policy.decide(second, together)
     alone = [policy.decide([kv], state)[0] for kv, state in zip(second, apart)]
     for kv, sel, own, state in zip(second, kept, alone, apart):
