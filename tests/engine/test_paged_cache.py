@@ -167,7 +167,22 @@ def test_attend_virtual_sequences_equals_eq5(kind, device, queries, capped):
     decode launch), some with a compensation token; poison in every cell no sequence reads. With
     ``capped`` the layer soft-caps its logits (Gemma 2) and has sinks per query head (gpt-oss),
     large enough to matter; sequence s reads KV head s % H_kv."""
-    cache = CLASSES[kind](buffer(device))
+    _attends_as_eq5(CLASSES[kind](buffer(device)), device, queries, capped)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("bag_limit", [CpuPagedCache.BAG_LIMIT, 0], ids=["bags", "gathered"])
+def test_cpu_merged_sequences_read_nothing_past_their_end(monkeypatch, bag_limit):
+    """The CPU class attends the sequences it merges (a compensation token; every one in a layer
+    with sinks, as here) in torch, reading their pages in place (``embedding_bag``) or gathered
+    (many query rows): both equal eq. 5 when every cell no sequence wrote holds NaN. (vLLM's
+    kernel, which attends the others, reads its last page's unwritten cells.)"""
+    monkeypatch.setattr(CpuPagedCache, "BAG_LIMIT", bag_limit)
+    _attends_as_eq5(CpuPagedCache([layer.fill_(float("nan")) for layer in buffer()]), "cpu", [1, 3, 1, 1, 1, 2],
+                    capped=True)
+
+
+def _attends_as_eq5(cache, device, queries, capped):
     gen = torch.Generator().manual_seed(0)
     perm = torch.randperm(cache.num_pages, generator=gen)
     lengths, tables, data, used = [70, 7, 33, 32, 1, 50], [], [], 0
@@ -224,4 +239,12 @@ def test_calls_sharing_a_memo_make_the_cpu_schedule_once(monkeypatch):
     assert len(made) == 3  # one more, for both calls
     for a, b in zip(alone, shared):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # a layer that merges a sequence (its compensation token) attends it in torch and the kernel
+    # reads one cell of it: its own schedule, kept beside the other
+    plan = SequenceCompensation.plan(torch.randn(1, 3, D, generator=gen), torch.randn(1, 3, D, generator=gen),
+                                     torch.tensor([[0.0, 5.0, 0.0]]), [1, 1, 1], lengths.view(1, 3), BS, "cpu")[0]
+    merging = [cache.attend(q, pages, lengths, starts, variant, plan, memo) for q in queries]
+    assert len(made) == 4
+    assert float((merging[0][1] - shared[0][1]).abs().max()) > 1e-3  # the token counts
+    torch.testing.assert_close(merging[0][[0, 2]], shared[0][[0, 2]], rtol=0, atol=0)
 

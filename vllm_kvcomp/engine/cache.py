@@ -14,11 +14,12 @@ kernel sees ``num_kv_heads = 1``:
 
 Each layer attends as vLLM's own kernel would for it (:class:`AttentionVariant`: scale, logit
 soft-capping, learned sinks). RazorAttention's compensation token (eq. 5) and sinks are merged by
-log-sum-exp. vLLM's CPU kernel caps logits itself but returns no LSE, so for the sequences that
+log-sum-exp. vLLM's CPU kernel caps logits itself but returns no LSE, so the sequences that
 carry a compensation token (or every sequence of a layer with sinks: the kernel takes one sink
-vector for all sequences, ours differ per KV head) the CPU class computes the LSE of their kept
-keys in torch (batched) and merges; the CUDA kernels take the token and the sinks natively. Both are tested against the one reference
-(``kernels.reference.decode_attention_reference``) in float64.
+vector for all sequences, ours differ per KV head) attend in torch on the CPU class, with their
+LSE (batched; pages read in place by ``embedding_bag`` for decode rows), and the kernel skips
+them; the CUDA kernels take the token and the sinks natively. Both are tested against the one
+reference (``kernels.reference.decode_attention_reference``) in float64.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from vllm_kvcomp import vllm_compat
 from vllm_kvcomp.engine.pages import Move, PageGeometry
@@ -62,12 +65,14 @@ class SequenceCompensation:
     ``groups``: the sequences whose attention needs a log-sum-exp merge (those that have a token,
     or all of them in a layer with sinks), as (indices [C] on the device, T = their query rows,
     W = pages of the longest), planned on the host by :meth:`plan` so attention reads nothing
-    back."""
+    back; ``merged``: their indices on the host (layers that merge the same sequences share a
+    kernel schedule)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     counts: torch.Tensor
     groups: tuple[tuple[torch.Tensor, int, int], ...]
+    merged: tuple[int, ...] = ()
 
     @classmethod
     def plan(cls, keys: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, query_rows: list[int],
@@ -87,7 +92,8 @@ class SequenceCompensation:
                     by_rows.setdefault(t, []).append(s)
             groups = tuple((torch.tensor(seqs, device=device), t, max(pages[layer][s] for s in seqs))
                            for t, seqs in sorted(by_rows.items()))
-            out.append(cls(keys[layer].to(device), values[layer].to(device), counts[layer].to(device), groups)
+            merged = tuple(s for _, seqs in sorted(by_rows.items()) for s in seqs)
+            out.append(cls(keys[layer].to(device), values[layer].to(device), counts[layer].to(device), groups, merged)
                        if groups else None)
         return out
 
@@ -180,6 +186,7 @@ class CpuPagedCache(PagedCache):
         self.keys_t = halves[:, 0].view(self.num_pages, d, bs)
         self.values = halves[:, 1].view(self.num_pages, bs, d)
         self.value_rows = self.pages.view(-1, d)  # [pages * 2bs, D]: (page p, offset o)'s value is row 2bs·p + bs + o
+        self.key_rows = self.pages.view(-1, bs)  # [pages * 2D, bs]: (page p, dim i) of K^T is row 2D·p + i
         # the kernel's own view of a cache (as CPU_ATTN builds it), with one head per "block"
         self.kernel_keys, self.kernel_values = self.pages.view(self.num_pages, 1, 2 * bs, d).chunk(2, dim=2)
 
@@ -218,10 +225,19 @@ class CpuPagedCache(PagedCache):
     def attend(self, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, query_start: torch.Tensor,
                variant: AttentionVariant, compensation: SequenceCompensation | None,
                memo: dict[str, object] | None = None) -> torch.Tensor:
-        """vLLM's kernel; its schedule (from the lengths and query rows alone) is kept in ``memo``."""
+        """vLLM's kernel, except for the sequences that merge a compensation token or sinks: it
+        returns no LSE, so they attend in torch (:meth:`_attend_merged`) and the kernel reads only
+        their first T cells. Its schedule (from the lengths and query rows alone) is kept in
+        ``memo``, per set of merged sequences."""
         q = q.contiguous()
         seq_lens, starts, table = lengths.to(torch.int32), query_start.to(torch.int32), tables.to(torch.int32)
-        schedule = None if memo is None else memo.get("schedule")
+        merged = () if compensation is None else compensation.merged
+        if merged:  # the kernel's rows of a merged sequence are overwritten: it reads the fewest cells it can
+            seq_lens = seq_lens.clone()
+            for s, rows, _ in compensation.groups:
+                seq_lens[s] = rows
+        key = f"schedule {merged}" if merged else "schedule"
+        schedule = None if memo is None else memo.get(key)
         if schedule is None:
             schedule = vllm_compat.cpu_attention_schedule(
                 num_reqs=table.shape[0], num_heads=q.shape[1], num_kv_heads=1, head_dim=self.head_dim,
@@ -229,7 +245,7 @@ class CpuPagedCache(PagedCache):
                 isa=self.isa, dynamic_causal=None, kv_cache_dtype="auto",
             )
             if memo is not None:
-                memo["schedule"] = schedule
+                memo[key] = schedule
         out = torch.empty_like(q)
         vllm_compat.cpu_paged_attention(
             query=q, key_cache=self.kernel_keys, value_cache=self.kernel_values, output=out, query_start_loc=starts,
@@ -237,40 +253,77 @@ class CpuPagedCache(PagedCache):
             block_table=table, softcap=variant.softcap, scheduler_metadata=schedule, s_aux=None,
         )
         if compensation is not None:
-            self._merge(out, q, tables, lengths, query_start, variant, compensation)
+            self._attend_merged(out, q, tables, lengths, query_start, variant, compensation)
         return out
 
-    def _merge(self, out: torch.Tensor, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
-               query_start: torch.Tensor, variant: AttentionVariant, compensation: SequenceCompensation) -> None:
-        """Merge the compensation token and the sinks into ``out`` (in place) for the planned
-        sequences: the LSE of their kept keys is recomputed in torch from their own pages only
-        (one batched matmul over the sequences with the same number of query rows, logits capped
-        as the kernel caps them); with the token's and the sink's logits, every part's share of
-        the softmax follows: ``out = w_kept · out + w_token · v_hat`` (a sink's value is zero)."""
+    def _attend_merged(self, out: torch.Tensor, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
+                       query_start: torch.Tensor, variant: AttentionVariant,
+                       compensation: SequenceCompensation) -> None:
+        """The planned sequences' attention, written into ``out``: their kept keys' attention and
+        its LSE in torch (:meth:`_kept_attention`, batched over the sequences with the same number
+        of query rows T), then, with the token's and the sink's logits, every part's share of the
+        softmax: ``out = w_kept · attention(kept) + w_token · v_hat`` (a sink's value is zero)."""
         k_hat, v_hat, counts = compensation.keys, compensation.values, compensation.counts
-        bs, d, cap = self.geometry.block_size, self.head_dim, variant.softcap
+        d, cap = self.head_dim, variant.softcap
         sinks = variant.sequence_sinks(tables.shape[0], self.geometry.num_kv_heads)
         for s, group, width in compensation.groups:
             c, heads = s.numel(), q.shape[1]
             rows = (query_start[s].unsqueeze(1) + torch.arange(group)).flatten()  # [C*T]
             qs = q[rows].float().view(c, group * heads, d) * variant.scale  # [C, T*G, D]
-            pages = torch.index_select(self.pages, 0, tables[s, :width].flatten(),
-                                       out=self.scratch("comp_pages", (c * width, self.page_elems)))
-            keys = pages.view(c, width, 2, d, bs)[:, :, 0].float()  # K^T per page [C, W, D, bs]
-            logits = soft_cap(torch.matmul(qs.unsqueeze(1), keys), cap).view(c, width, group, heads, bs)
-            limit = lengths[s].view(-1, 1) - group + torch.arange(group) + 1  # causal: [C, T]
-            cell = torch.arange(width * bs).view(1, width, 1, 1, bs)
-            logits.masked_fill_(cell >= limit.view(c, 1, group, 1, 1), float("-inf"))
-            top = logits.amax((1, 4), keepdim=True)  # finite: a sequence's last query sees >= 1 key
-            lse = (logits - top).exp_().sum((1, 4)).log_() + top.view(c, group, heads)  # [C, T, G]
+            kept, lse = self._kept_attention(qs, tables[s, :width], lengths[s], group, cap)
+            kept, lse = kept.view(c, group, heads, d), lse.view(c, group, heads)
             comp_logit = soft_cap(torch.bmm(qs, k_hat[s].float().unsqueeze(-1)), cap).view(c, group, heads)
             parts = [lse, comp_logit + counts[s].float().log().view(-1, 1, 1)]  # log 0 = -inf: no token
             if sinks is not None:
                 parts.append(sinks[s].float().view(c, 1, heads).expand(-1, group, -1))
             weights = torch.softmax(torch.stack(parts), dim=0).unsqueeze(-1)  # [parts, C, T, G, 1]
-            kept = out[rows].float().view(c, group, heads, d)
             merged = weights[0] * kept + weights[1] * v_hat[s].float().view(c, 1, 1, d)
             out[rows] = merged.flatten(0, 1).to(out.dtype)
+
+    #: most (query row, page, dim) triples :meth:`_kept_attention` reads by ``embedding_bag``
+    #: (8 bytes of index each); past it (long query rows: a prefill chunk) it gathers the pages
+    BAG_LIMIT: ClassVar[int] = 1 << 20
+
+    def _kept_attention(self, qs: torch.Tensor, table: torch.Tensor, ends: torch.Tensor, group: int,
+                        cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal attention of scaled queries qs [C, T*G, D] (the last T tokens of each sequence,
+        G query heads each) over their pages ``table`` [C, W] holding ``ends`` [C] cells ->
+        (attention [C, T*G, D], its LSE [C, T*G]), float32.
+
+        Few query rows read the pages in place, as ``embedding_bag`` sums: a logit row of a page
+        is its ``K^T`` rows weighted by the query, an attention row its cells' values weighted by
+        the probabilities (a gather costs more than the sums). Many gather the pages once and
+        multiply. Cells past a sequence's end are hidden and never read: what an unwritten cell
+        holds could be NaN."""
+        c, rows, d = qs.shape
+        width, bs = table.shape[1], self.geometry.block_size
+        n, cell = width * bs, torch.arange(width * bs)
+        limit = ends.view(-1, 1) - group + torch.arange(group) + 1  # causal: [C, T]
+        hidden = (cell >= limit.view(c, group, 1, 1)).view(c, group, 1, n)  # [C, T, 1, N]
+        bags = self.dtype == torch.float32 and c * rows * width * d <= self.BAG_LIMIT
+        if bags:
+            key_rows = (table * (2 * d)).view(c, 1, width, 1) + torch.arange(d)  # K^T row (page, dim) [C, 1, W, D]
+            logits = F.embedding_bag(key_rows.expand(c, rows, width, d).reshape(-1, d), self.key_rows, mode="sum",
+                                     per_sample_weights=qs.view(c, rows, 1, d).expand(c, rows, width, d).reshape(-1, d))
+        else:
+            pages_t = torch.index_select(self.keys_t, 0, table.flatten(),
+                                         out=self.scratch("merge_pages_t", (c * width, d, bs)))
+            keys_t = self.scratch("merge_keys_t", (c, d, width, bs))
+            keys_t.copy_(pages_t.view(c, width, d, bs).transpose(1, 2))
+            logits = torch.bmm(qs, keys_t.view(c, d, n).float())
+        logits = soft_cap(logits.view(c, group, -1, n), cap).masked_fill_(hidden, float("-inf"))
+        lse = torch.logsumexp(logits, dim=-1)  # [C, T, G]: a sequence's last query sees >= 1 key
+        probs = logits.sub_(lse.unsqueeze(-1)).exp_().view(c, rows, n)
+        cells = ((table * (2 * bs) + bs).view(c, width, 1) + torch.arange(bs)).view(c, n)  # value row of each cell
+        cells = torch.where(cell < ends.view(-1, 1), cells, cells[:, :1])  # past the end: a written cell, weight 0
+        if bags:
+            kept = F.embedding_bag(cells.view(c, 1, n).expand(c, rows, n).reshape(-1, n), self.value_rows,
+                                   mode="sum", per_sample_weights=probs.reshape(-1, n))
+        else:
+            values = torch.index_select(self.value_rows, 0, cells.flatten(),
+                                        out=self.scratch("merge_values", (c * n, d)))
+            kept = torch.bmm(probs, values.view(c, n, d).float())
+        return kept.view(c, rows, d), lse.view(c, rows)
 
 
 class CudaPagedCache(PagedCache):
