@@ -185,10 +185,14 @@ class CpuPagedCache(PagedCache):
         halves = self.pages.view(self.num_pages, 2, bs * d)
         self.keys_t = halves[:, 0].view(self.num_pages, d, bs)
         self.values = halves[:, 1].view(self.num_pages, bs, d)
-        self.value_rows = self.pages.view(-1, d)  # [pages * 2bs, D]: (page p, offset o)'s value is row 2bs·p + bs + o
+        self.value_rows = self.pages.view(-1, d)  # [pages * 2bs, D]: a cell's value is row value_row(page, offset)
         self.key_rows = self.pages.view(-1, bs)  # [pages * 2D, bs]: (page p, dim i) of K^T is row 2D·p + i
         # the kernel's own view of a cache (as CPU_ATTN builds it), with one head per "block"
         self.kernel_keys, self.kernel_values = self.pages.view(self.num_pages, 1, 2 * bs, d).chunk(2, dim=2)
+
+    def value_row(self, pages: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Rows of :attr:`value_rows` holding the values of cells (``pages``, ``offsets``) (broadcast)."""
+        return (2 * pages + 1) * self.geometry.block_size + offsets
 
     def read_cells(self, pages: torch.Tensor, offsets: torch.Tensor, values: bool = True) -> Tensors:
         return self.keys_t[pages, :, offsets], self.values[pages, offsets] if values else None
@@ -198,14 +202,14 @@ class CpuPagedCache(PagedCache):
         8K moves ~170K cells: fresh buffers of that size cost more in page faults than the copy),
         then written: keys by (page, :, offset), values as rows of :attr:`value_rows`."""
         if len(move):
-            bs, d, n = self.geometry.block_size, self.head_dim, len(move)
+            d, n = self.head_dim, len(move)
             src_pages, src_offsets = move.src_pages.to(self.device), move.src_offsets.to(self.device)
             dst_pages, dst_offsets = move.dst_pages.to(self.device), move.dst_offsets.to(self.device)
             keys, values = self.scratch("keys_t", (n, d)), self.scratch("values", (n, d))
             torch.ops.aten.index.Tensor_out(self.keys_t, [src_pages, None, src_offsets], out=keys)
-            torch.index_select(self.value_rows, 0, (2 * src_pages + 1) * bs + src_offsets, out=values)
+            torch.index_select(self.value_rows, 0, self.value_row(src_pages, src_offsets), out=values)
             self.keys_t[dst_pages, :, dst_offsets] = keys
-            self.value_rows.index_copy_(0, (2 * dst_pages + 1) * bs + dst_offsets, values)
+            self.value_rows.index_copy_(0, self.value_row(dst_pages, dst_offsets), values)
 
     def read_pages(self, pages: torch.Tensor, values: bool = True) -> Tensors:
         bs, d, flat = self.geometry.block_size, self.head_dim, pages.reshape(-1)
@@ -234,8 +238,8 @@ class CpuPagedCache(PagedCache):
         merged = () if compensation is None else compensation.merged
         if merged:  # the kernel's rows of a merged sequence are overwritten: it reads the fewest cells it can
             seq_lens = seq_lens.clone()
-            for s, rows, _ in compensation.groups:
-                seq_lens[s] = rows
+            for s, queries, _ in compensation.groups:
+                seq_lens[s] = queries
         key = f"schedule {merged}" if merged else "schedule"
         schedule = None if memo is None else memo.get(key)
         if schedule is None:
@@ -314,7 +318,7 @@ class CpuPagedCache(PagedCache):
         logits = soft_cap(logits.view(c, group, -1, n), cap).masked_fill_(hidden, float("-inf"))
         lse = torch.logsumexp(logits, dim=-1)  # [C, T, G]: a sequence's last query sees >= 1 key
         probs = logits.sub_(lse.unsqueeze(-1)).exp_().view(c, rows, n)
-        cells = ((table * (2 * bs) + bs).view(c, width, 1) + torch.arange(bs)).view(c, n)  # value row of each cell
+        cells = self.value_row(table.view(c, width, 1), torch.arange(bs)).view(c, n)  # [C, N]
         cells = torch.where(cell < ends.view(-1, 1), cells, cells[:, :1])  # past the end: a written cell, weight 0
         if bags:
             kept = F.embedding_bag(cells.view(c, 1, n).expand(c, rows, n).reshape(-1, n), self.value_rows,
