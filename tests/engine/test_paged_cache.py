@@ -35,6 +35,7 @@ from vllm_kvcomp.engine.cache import (
     SequenceCompensation,
 )
 from vllm_kvcomp.engine.pages import Move
+from vllm_kvcomp.kernels import cpu_native
 
 
 # ---------------------------------------------------------------------------- cells
@@ -171,15 +172,49 @@ def test_attend_virtual_sequences_equals_eq5(kind, device, queries, capped):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("bag_limit", [CpuPagedCache.BAG_LIMIT, 0], ids=["bags", "gathered"])
-def test_cpu_merged_sequences_read_nothing_past_their_end(monkeypatch, bag_limit):
+@pytest.mark.parametrize("path", ["native", "bags", "gathered"])
+def test_cpu_merged_sequences_read_nothing_past_their_end(monkeypatch, path):
     """The CPU class attends the sequences it merges (a compensation token; every one in a layer
-    with sinks, as here) in torch, reading their pages in place (``embedding_bag``) or gathered
-    (many query rows): both equal eq. 5 when every cell no sequence wrote holds NaN. (vLLM's
-    kernel, which attends the others, reads its last page's unwritten cells.)"""
-    monkeypatch.setattr(CpuPagedCache, "BAG_LIMIT", bag_limit)
+    with sinks) by its C kernel (``kernels.cpu_native``), or in torch, reading their pages in
+    place (``embedding_bag``) or gathered (many query rows): each equals eq. 5 when every cell no
+    sequence wrote holds NaN. (vLLM's kernel, which attends the others, reads its last page's
+    unwritten cells.)"""
+    calls = []
+    if path == "native":
+        merged = cpu_native.merged_attention
+        monkeypatch.setattr(cpu_native, "merged_attention", lambda *a, **kw: calls.append(1) or merged(*a, **kw))
+    else:
+        monkeypatch.setattr(cpu_native, "covers", lambda *a: False)
+        monkeypatch.setattr(CpuPagedCache, "BAG_LIMIT", CpuPagedCache.BAG_LIMIT if path == "bags" else 0)
     _attends_as_eq5(CpuPagedCache([layer.fill_(float("nan")) for layer in buffer()]), "cpu", [1, 3, 1, 1, 1, 2],
                     capped=True)
+    assert len(calls) == (path == "native")
+
+
+def test_cpu_merged_attention_builds_here_and_falls_back_without_a_compiler(monkeypatch, caplog, tmp_path):
+    """The C kernel builds on this machine (CI's has ``cc``), once: a second build finds it. Where
+    it cannot be built :func:`cpu_native.library` is None with a warning that says why, and
+    :func:`cpu_native.covers` sends every call to torch; calls past its limits go there too."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    built = cpu_native.build()
+    assert built.parent == tmp_path / "vllm-kvcomp" and built.stat().st_size > 0
+    stamp = built.stat().st_mtime_ns
+    assert cpu_native.build() == built and built.stat().st_mtime_ns == stamp
+    assert cpu_native.covers(torch.float32, 3, 64, 16)
+    assert not cpu_native.covers(torch.float16, 3, 64, 16)
+    assert not cpu_native.covers(torch.float32, cpu_native.MAX_GROUP + 1, 64, 16)
+    assert not cpu_native.covers(torch.float32, 3, cpu_native.MAX_HEAD_DIM * 2, 16)
+    monkeypatch.setattr(cpu_native.shutil, "which", lambda name: None)
+    cpu_native.library.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger=cpu_native.__name__):
+            assert cpu_native.library() is None
+        assert "no C compiler" in caplog.text and "attend in torch" in caplog.text
+        assert not cpu_native.covers(torch.float32, 3, 64, 16)
+        with pytest.raises(RuntimeError, match="failed"):  # a compiler that cannot build it says so
+            cpu_native.build(compiler="false")
+    finally:
+        cpu_native.library.cache_clear()
 
 
 def _attends_as_eq5(cache, device, queries, capped):

@@ -16,9 +16,10 @@ Each layer attends as vLLM's own kernel would for it (:class:`AttentionVariant`:
 soft-capping, learned sinks). RazorAttention's compensation token (eq. 5) and sinks are merged by
 log-sum-exp. vLLM's CPU kernel caps logits itself but returns no LSE, so the sequences that
 carry a compensation token (or every sequence of a layer with sinks: the kernel takes one sink
-vector for all sequences, ours differ per KV head) attend in torch on the CPU class, with their
-LSE (batched; pages read in place by ``embedding_bag`` for decode rows), and the kernel skips
-them; the CUDA kernels take the token and the sinks natively. Both are tested against the one
+vector for all sequences, ours differ per KV head) attend on the CPU class by kvcomp's own C
+kernel (``kernels.cpu_native``, compiled on first use), or in torch where it cannot be built
+(with their LSE, batched; pages read in place by ``embedding_bag`` for decode rows), and vLLM's
+kernel skips them; the CUDA kernels take the token and the sinks natively. Both are tested against the one
 reference (``kernels.reference.decode_attention_reference``) in float64.
 """
 
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 
 from vllm_kvcomp import vllm_compat
 from vllm_kvcomp.engine.pages import Move, PageGeometry
+from vllm_kvcomp.kernels import cpu_native
 from vllm_kvcomp.policies.compensation import soft_cap
 
 Tensors = tuple[torch.Tensor, torch.Tensor | None]  # keys, values (None when not asked for)
@@ -263,6 +265,22 @@ class CpuPagedCache(PagedCache):
     def _attend_merged(self, out: torch.Tensor, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
                        query_start: torch.Tensor, variant: AttentionVariant,
                        compensation: SequenceCompensation) -> None:
+        """The planned sequences' attention, written into ``out``: by the C kernel of
+        :mod:`~vllm_kvcomp.kernels.cpu_native` (one call per layer), or in torch
+        (:meth:`_attend_merged_torch`) where it is not built or does not cover the call."""
+        bs = self.geometry.block_size
+        if self.dtype == torch.float32 and cpu_native.covers(q.dtype, q.shape[1], self.head_dim, bs):
+            cpu_native.merged_attention(
+                self.pages, q, out, [(s, group) for s, group, _ in compensation.groups], query_start, tables,
+                lengths, compensation.keys, compensation.values, compensation.counts,
+                variant.sequence_sinks(tables.shape[0], self.geometry.num_kv_heads), bs, variant.scale,
+                variant.softcap)
+        else:
+            self._attend_merged_torch(out, q, tables, lengths, query_start, variant, compensation)
+
+    def _attend_merged_torch(self, out: torch.Tensor, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
+                             query_start: torch.Tensor, variant: AttentionVariant,
+                             compensation: SequenceCompensation) -> None:
         """The planned sequences' attention, written into ``out``: their kept keys' attention and
         its LSE in torch (:meth:`_kept_attention`, batched over the sequences with the same number
         of query rows T), then, with the token's and the sink's logits, every part's share of the

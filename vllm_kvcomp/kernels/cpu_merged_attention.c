@@ -1,0 +1,96 @@
+/* Causal attention of virtual sequences over vLLM's CPU KV pages, merged with a compensation
+ * token and sinks (RazorAttention eq. 5; gpt-oss sinks): what vLLM's CPU kernel cannot do, as it
+ * returns no log-sum-exp. Built and loaded by vllm_kvcomp/kernels/cpu_native.py; its torch twin
+ * is CpuPagedCache._attend_merged_torch (vllm_kvcomp/engine/cache.py). float32 throughout.
+ *
+ * Page p starts at pages + p * page_elems: K^T [D][bs], then V [bs][D] (vLLM's "vec" layout).
+ * Sequence s (one KV head of a request) holds ends[s] cells in the pages table[s * table_stride ..];
+ * its T query rows are q rows row_start[s] .. + T (each [G][D], G query heads), the last T tokens:
+ * row t sees cells [0, ends[s] - T + t]. counts[s] = 0: no compensation token. sinks [S][G] or NULL.
+ * Only the sequences listed in seqs [C] are attended; their rows of out are overwritten.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define MAX_G 32
+#define MAX_D 256
+#define MAX_BS 256
+
+static float soft_cap(float x, float cap) { return cap > 0.0f ? cap * tanhf(x / cap) : x; }
+
+static void attend_row(const float *pages, int64_t page_elems, const float *q, const int64_t *table,
+                       int64_t visible, const float *k_hat, const float *v_hat, float count,
+                       const float *sinks, float *out, int G, int D, int bs, float scale, float cap) {
+    float m[MAX_G], l[MAX_G], acc[MAX_G][MAX_D], qs[MAX_G][MAX_D], lg[MAX_G][MAX_BS];
+    for (int g = 0; g < G; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+        for (int d = 0; d < D; d++) {
+            acc[g][d] = 0.0f;
+            qs[g][d] = q[g * D + d] * scale;
+        }
+    }
+    int64_t num_pages = (visible + bs - 1) / bs;
+    for (int64_t w = 0; w < num_pages; w++) {
+        const float *kt = pages + table[w] * page_elems, *v = kt + (int64_t)D * bs;
+        int n = visible - w * bs < bs ? (int)(visible - w * bs) : bs;
+        for (int g = 0; g < G; g++) {
+            float *row = lg[g];
+            for (int j = 0; j < bs; j++) row[j] = 0.0f;
+            for (int d = 0; d < D; d++) {
+                float qd = qs[g][d];
+                const float *krow = kt + (int64_t)d * bs;
+                for (int j = 0; j < bs; j++) row[j] += qd * krow[j];
+            }
+            float top = m[g];
+            for (int j = 0; j < n; j++) {
+                row[j] = soft_cap(row[j], cap);
+                if (row[j] > top) top = row[j];
+            }
+            if (top > m[g]) {
+                float shrink = expf(m[g] - top);  /* exp(-inf) = 0 on the first page */
+                l[g] *= shrink;
+                for (int d = 0; d < D; d++) acc[g][d] *= shrink;
+                m[g] = top;
+            }
+            for (int j = 0; j < n; j++) {
+                float p = expf(row[j] - top);
+                const float *vrow = v + (int64_t)j * D;
+                l[g] += p;
+                for (int d = 0; d < D; d++) acc[g][d] += p * vrow[d];
+            }
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        float kept = l[g] > 0.0f ? m[g] + logf(l[g]) : -INFINITY;
+        float token = -INFINITY, sink = sinks ? sinks[g] : -INFINITY;
+        if (count > 0.0f) {
+            float dot = 0.0f;
+            for (int d = 0; d < D; d++) dot += qs[g][d] * k_hat[d];
+            token = soft_cap(dot, cap) + logf(count);
+        }
+        float top = fmaxf(kept, fmaxf(token, sink));
+        float wk = expf(kept - top), wt = expf(token - top), ws = expf(sink - top);
+        float norm = wk + wt + ws, a = l[g] > 0.0f ? wk / (norm * l[g]) : 0.0f, b = wt / norm;
+        for (int d = 0; d < D; d++) out[g * D + d] = a * acc[g][d] + (count > 0.0f ? b * v_hat[d] : 0.0f);
+    }
+}
+
+/* Returns 0, or 1 when a size is past the limits above (nothing written). */
+int kvcomp_merged_attention(const float *pages, int64_t page_elems, const float *q, float *out,
+                            const int64_t *seqs, int64_t num_seqs, int64_t T, const int64_t *row_start,
+                            const int64_t *table, int64_t table_stride, const int64_t *ends,
+                            const float *k_hat, const float *v_hat, const float *counts, const float *sinks,
+                            int G, int D, int bs, float scale, float cap, int threads) {
+    if (G > MAX_G || D > MAX_D || bs > MAX_BS) return 1;
+    int64_t tasks = num_seqs * T;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t task = 0; task < tasks; task++) {
+        int64_t s = seqs[task / T], t = task % T, row = row_start[s] + t;
+        attend_row(pages, page_elems, q + row * G * D, table + s * table_stride, ends[s] - T + t + 1,
+                   k_hat + s * D, v_hat + s * D, counts[s], sinks ? sinks + s * G : NULL, out + row * G * D,
+                   G, D, bs, scale, cap);
+    }
+    return 0;
+}
