@@ -46,9 +46,22 @@ def test_limit_table_puts_each_config_next_to_full_at_its_kept_length():
         "| snapkv | 0.25 | 8000 | 0.250 | 30.0 | 40.0 (2000 tokens) | 0.75x | 20.0 | 1.50x |",
     ]
     assert results[("snapkv", 0.25, 2048)].share == 50.0 / 62.5
-    assert "best of" not in lines[0]
-    assert "best of 2 runs" in pages._limit_table(argparse.Namespace(streams=4, decode_tokens=96, limit_repeats=2),
-                                                  [], results)[0]
+    assert "best of" not in lines[0] and "pairs" not in lines[2]
+
+
+def test_limit_table_gives_every_pair_and_their_median_when_it_repeats():
+    """Best of 3 per side, and each pair's own ratio with their median (a drift of the machine
+    between pairs cancels in each pair, not in the best of each side)."""
+    args = argparse.Namespace(streams=4, decode_tokens=96, limit_repeats=3)
+    results = {("full", 2048): pages.Held(64.0, 40.0, 1.0),
+               ("razor", 0.5, 2048): pages.Limit(2048, pages.Held(33.0, 20.0, 0.507), 1039, pages.Held(33.0, 25.0, 1.0),
+                                                 (0.95, 0.70, 0.80))}
+    lines = pages._limit_table(args, [("razor", "razor", "", 0.5)], results)
+    assert "best of 3 runs" in lines[0] and "median" in lines[0]
+    assert "| vs limit | pairs (median) | full at the prompt length |" in lines[2]
+    assert lines[3].count("|") == lines[2].count("|")
+    assert lines[4] == "| razor | 0.5 | 2048 | 0.507 | 20.0 | 25.0 (1039 tokens) | 0.80x | 0.95, 0.70, 0.80 (0.80x) | " \
+                       "40.0 | 0.50x |"
 
 
 def test_decode_window_starts_after_the_prompt_end_compression():

@@ -178,10 +178,13 @@ class Limit:
     compressed: Held
     limit_len: int
     limit: Held
+    #: each pair's compressed decode tok/s over its limit's (pairs run back to back, so a drift
+    #: of the machine's speed over the run cancels in each)
+    pairs: tuple[float, ...] = ()
 
     @property
     def share(self) -> float:
-        """Compressed decode tok/s over the limit's."""
+        """Compressed decode tok/s over the limit's (the best run of each side)."""
         return self.compressed.decode_tps / self.limit.decode_tps
 
 
@@ -212,11 +215,12 @@ def _phase_limit(args, configs) -> dict:
                     print(f"limit {label:16s} {ratio:<6g} {n:>5}: {compressed.decode_tps:.1f} tok/s vs "
                           f"{limit.decode_tps:.1f} at {kept} tokens ({compressed.decode_tps / limit.decode_tps:.2f})",
                           flush=True)
+                    pair = compressed.decode_tps / limit.decode_tps
                     if best is None:
-                        best = Limit(n, compressed, kept, limit)
+                        best = Limit(n, compressed, kept, limit, (pair,))
                     else:
                         best = Limit(n, max(best.compressed, compressed, key=_tps), max(best.limit_len, kept),
-                                     max(best.limit, limit, key=_tps))
+                                     max(best.limit, limit, key=_tps), (*best.pairs, pair))
                 out[(label, ratio, n)] = best
     return out
 
@@ -366,20 +370,26 @@ def _report(args, configs, results) -> str:
 
 def _limit_table(args, configs, limit: dict) -> list[str]:
     """Compressed decode next to its physical limit (full cache holding the kept length)."""
-    best = f", best of {args.limit_repeats} runs on new prompts per side" if args.limit_repeats > 1 else ""
+    repeats = args.limit_repeats > 1
+    best = f", best of {args.limit_repeats} runs on new prompts per side" if repeats else ""
+    pairs = (" Pairs: each pair's ratio (compressed, then its limit, back to back) and their median, which a "
+             "drift of the machine's speed over the run does not move.") if repeats else ""
     lines = [f"Decode at the physical limit ({args.streams} streams x {args.decode_tokens} output tokens{best}): each "
              "compressed config next to full cache with a prompt as long as what it keeps (the same kernel "
-             "reading the same bytes), and full cache at the whole length.", "",
+             f"reading the same bytes), and full cache at the whole length.{pairs}", "",
              "| policy | ratio | prompt | kept_fraction | decode tok/s | limit: full at the kept length | "
-             "vs limit | full at the prompt length | vs full |", "|---|---|---|---|---|---|---|---|---|"]
+             "vs limit | " + ("pairs (median) | " if repeats else "") + "full at the prompt length | vs full |",
+             "|---|---|---|---|---|---|---|" + ("---|" if repeats else "") + "---|---|"]
     for label, _, _, ratio in configs:
         for key, entry in limit.items():
             if key[:2] != (label, ratio):
                 continue
             full = limit[("full", entry.prompt_len)]
+            pair_cell = (f"{', '.join(f'{x:.2f}' for x in entry.pairs)} ({statistics.median(entry.pairs):.2f}x) | "
+                         if repeats else "")
             lines.append(f"| {label} | {ratio:g} | {entry.prompt_len} | {entry.compressed.kept_fraction:.3f} | "
                          f"{entry.compressed.decode_tps:.1f} | {entry.limit.decode_tps:.1f} ({entry.limit_len} "
-                         f"tokens) | {entry.share:.2f}x | {full.decode_tps:.1f} | "
+                         f"tokens) | {entry.share:.2f}x | {pair_cell}{full.decode_tps:.1f} | "
                          f"{entry.compressed.decode_tps / full.decode_tps:.2f}x |")
     return lines
 
