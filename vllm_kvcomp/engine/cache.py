@@ -191,6 +191,8 @@ class CpuPagedCache(PagedCache):
         self.key_rows = self.pages.view(-1, bs)  # [pages * 2D, bs]: (page p, dim i) of K^T is row 2D·p + i
         # the kernel's own view of a cache (as CPU_ATTN builds it), with one head per "block"
         self.kernel_keys, self.kernel_values = self.pages.view(self.num_pages, 1, 2 * bs, d).chunk(2, dim=2)
+        if self.dtype == torch.float32:  # built (or found) now, not in a request's first step
+            cpu_native.library()
 
     def value_row(self, pages: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Rows of :attr:`value_rows` holding the values of cells (``pages``, ``offsets``) (broadcast)."""
