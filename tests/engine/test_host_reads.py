@@ -31,8 +31,8 @@ READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
 #: first token, row bounds), the trimmed rows' longest length for the parent kernel, the
 #: compensation plan of all layers (which sequences have a token, their page counts), and the
 #: sequences' lengths per layer as planned on the host (layers with equal lengths share one
-#: kernel schedule)
-FIRST_LAYER_BOUND = 6
+#: kernel schedule), and the CPU cache's query rows per sequence (which decode rows its C kernel takes)
+FIRST_LAYER_BOUND = 7
 
 
 class HostReads:

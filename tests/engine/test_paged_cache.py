@@ -28,6 +28,7 @@ from tests.helpers.paged_cells import (
     buffer,
     eq5,
 )
+from vllm_kvcomp import vllm_compat
 from vllm_kvcomp.engine.cache import (
     AttentionVariant,
     CpuPagedCache,
@@ -171,24 +172,42 @@ def test_attend_virtual_sequences_equals_eq5(kind, device, queries, capped):
     _attends_as_eq5(CLASSES[kind](buffer(device)), device, queries, capped)
 
 
+def _count_calls(monkeypatch, owner, name) -> list[int]:
+    calls, fn = [], getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *a, **kw: calls.append(1) or fn(*a, **kw))
+    return calls
+
+
 @pytest.mark.vllm
-@pytest.mark.parametrize("path", ["native", "bags", "gathered"])
+@pytest.mark.parametrize("path", ["native", "kernel+native", "kernel+bags", "kernel+gathered"])
 def test_cpu_merged_sequences_read_nothing_past_their_end(monkeypatch, path):
-    """The CPU class attends the sequences it merges (a compensation token; every one in a layer
-    with sinks) by its C kernel (``kernels.cpu_native``), or in torch, reading their pages in
-    place (``embedding_bag``) or gathered (many query rows): each equals eq. 5 when every cell no
-    sequence wrote holds NaN. (vLLM's kernel, which attends the others, reads its last page's
-    unwritten cells.)"""
-    calls = []
-    if path == "native":
-        merged = cpu_native.merged_attention
-        monkeypatch.setattr(cpu_native, "merged_attention", lambda *a, **kw: calls.append(1) or merged(*a, **kw))
-    else:
+    """The CPU class attends decode rows by kvcomp's C kernel (``kernels.cpu_native``). Rows of
+    a prefill chunk go to vLLM's kernel, but the sequences it merges (a compensation token; every
+    one in a layer with sinks, as here) go to the C kernel or, where it is not built, to torch,
+    reading their pages in place (``embedding_bag``) or gathered (many query rows). Each path
+    equals eq. 5 when every cell no sequence wrote holds NaN. (vLLM's kernel, which attends the
+    others, reads its last page's unwritten cells.)"""
+    native, kernel = (_count_calls(monkeypatch, cpu_native, "merged_attention"),
+                      _count_calls(monkeypatch, vllm_compat, "cpu_paged_attention"))
+    if path != "native":
+        monkeypatch.setattr(CpuPagedCache, "NATIVE_ROWS", 0)
+    if path in ("kernel+bags", "kernel+gathered"):
         monkeypatch.setattr(cpu_native, "covers", lambda *a: False)
-        monkeypatch.setattr(CpuPagedCache, "BAG_LIMIT", CpuPagedCache.BAG_LIMIT if path == "bags" else 0)
+        monkeypatch.setattr(CpuPagedCache, "BAG_LIMIT", CpuPagedCache.BAG_LIMIT if path == "kernel+bags" else 0)
     _attends_as_eq5(CpuPagedCache([layer.fill_(float("nan")) for layer in buffer()]), "cpu", [1, 3, 1, 1, 1, 2],
                     capped=True)
-    assert len(calls) == (path == "native")
+    assert (len(native), len(kernel)) == {"native": (1, 0), "kernel+native": (1, 1)}.get(path, (0, 1))
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("capped", [False, True], ids=["plain", "softcap-sinks"])
+def test_cpu_rows_past_the_native_limit_attend_by_vllms_kernel(monkeypatch, capped):
+    """A sequence with more than ``NATIVE_ROWS`` query rows (a prefill chunk) sends the call to
+    vLLM's kernel (it tiles many rows), with the same results."""
+    monkeypatch.setattr(CpuPagedCache, "NATIVE_ROWS", 2)  # the test's 3-row sequence is past it
+    kernel = _count_calls(monkeypatch, vllm_compat, "cpu_paged_attention")
+    _attends_as_eq5(CpuPagedCache(buffer()), "cpu", [1, 3, 1, 1, 1, 2], capped)
+    assert len(kernel) == 1
 
 
 def test_cpu_merged_attention_builds_here_and_falls_back_without_a_compiler(monkeypatch, caplog, tmp_path):
@@ -253,8 +272,7 @@ def _attends_as_eq5(cache, device, queries, capped):
 def test_calls_sharing_a_memo_make_the_cpu_schedule_once(monkeypatch):
     """Layers whose sequences have the same lengths this step share one memo: vLLM's CPU
     schedule is made by the first and reused by the others, with the same outputs as without."""
-    from vllm_kvcomp import vllm_compat
-
+    monkeypatch.setattr(CpuPagedCache, "NATIVE_ROWS", 0)  # vLLM's kernel even for these decode rows
     made = []
     schedule = vllm_compat.cpu_attention_schedule
     monkeypatch.setattr(vllm_compat, "cpu_attention_schedule", lambda **kw: made.append(1) or schedule(**kw))

@@ -193,6 +193,7 @@ class CpuPagedCache(PagedCache):
         self.kernel_keys, self.kernel_values = self.pages.view(self.num_pages, 1, 2 * bs, d).chunk(2, dim=2)
         if self.dtype == torch.float32:  # built (or found) now, not in a request's first step
             cpu_native.library()
+        self._native_plan: tuple[torch.Tensor, list[tuple[torch.Tensor, int]] | None] | None = None
 
     def value_row(self, pages: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Rows of :attr:`value_rows` holding the values of cells (``pages``, ``offsets``) (broadcast)."""
@@ -233,11 +234,26 @@ class CpuPagedCache(PagedCache):
     def attend(self, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, query_start: torch.Tensor,
                variant: AttentionVariant, compensation: SequenceCompensation | None,
                memo: dict[str, object] | None = None) -> torch.Tensor:
-        """vLLM's kernel, except for the sequences that merge a compensation token or sinks: it
-        returns no LSE, so they attend in torch (:meth:`_attend_merged`) and the kernel reads only
-        their first T cells. Its schedule (from the lengths and query rows alone) is kept in
-        ``memo``, per set of merged sequences."""
+        """Decode rows (at most :attr:`NATIVE_ROWS` per sequence): kvcomp's C kernel attends
+        every sequence, merging compensation tokens and sinks (:mod:`~vllm_kvcomp.kernels.cpu_native`).
+        Otherwise (a prefill chunk, or the C kernel not built) vLLM's kernel, except for the
+        sequences that merge a compensation token or sinks: it returns no LSE, so they attend by
+        :meth:`_attend_merged` and the kernel reads only their first T cells. Its schedule (from
+        the lengths and query rows alone) is kept in ``memo``, per set of merged sequences."""
         q = q.contiguous()
+        native = self._native_groups(q, query_start)
+        if native is not None:
+            out = torch.empty_like(q)
+            s = tables.shape[0]
+            if compensation is None:
+                none = self.scratch("no_tokens", (s, self.head_dim)).zero_()
+                tokens = (none, none, none[:, 0])
+            else:
+                tokens = (compensation.keys, compensation.values, compensation.counts)
+            cpu_native.merged_attention(self.pages, q, out, native, query_start, tables, lengths, *tokens,
+                                        variant.sequence_sinks(s, self.geometry.num_kv_heads),
+                                        self.geometry.block_size, variant.scale, variant.softcap)
+            return out
         seq_lens, starts, table = lengths.to(torch.int32), query_start.to(torch.int32), tables.to(torch.int32)
         merged = () if compensation is None else compensation.merged
         if merged:  # the kernel's rows of a merged sequence are overwritten: it reads the fewest cells it can
@@ -263,6 +279,30 @@ class CpuPagedCache(PagedCache):
         if compensation is not None:
             self._attend_merged(out, q, tables, lengths, query_start, variant, compensation)
         return out
+
+    #: most query rows per sequence that kvcomp's C kernel attends in place of vLLM's kernel: it
+    #: reads a sequence's pages once per row, where vLLM's kernel tiles a prefill chunk's rows
+    NATIVE_ROWS: ClassVar[int] = 8
+
+    def _native_groups(self, q: torch.Tensor,
+                       query_start: torch.Tensor) -> list[tuple[torch.Tensor, int]] | None:
+        """Every sequence, grouped by its number of query rows, when the C kernel attends them
+        all (float32, at most :attr:`NATIVE_ROWS` rows each, the kernel built); else None. Made
+        once per ``query_start`` tensor (a step's layers share one: they read nothing back)."""
+        plan = self._native_plan
+        if plan is not None and plan[0] is query_start:
+            return plan[1]
+        groups = None
+        if self.dtype == torch.float32 and cpu_native.covers(q.dtype, q.shape[1], self.head_dim,
+                                                             self.geometry.block_size):
+            rows = (query_start[1:] - query_start[:-1]).tolist()
+            if max(rows) <= self.NATIVE_ROWS:
+                by_rows: dict[int, list[int]] = {}
+                for s, t in enumerate(rows):
+                    by_rows.setdefault(t, []).append(s)
+                groups = [(torch.tensor(seqs), t) for t, seqs in sorted(by_rows.items())]
+        self._native_plan = (query_start, groups)
+        return groups
 
     def _attend_merged(self, out: torch.Tensor, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
                        query_start: torch.Tensor, variant: AttentionVariant,

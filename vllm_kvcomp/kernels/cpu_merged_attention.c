@@ -43,7 +43,7 @@ INLINE float exp_nonpositive(float x) {
 /* One query row (G heads) over its first `visible` cells. Inlined into one copy per (bs, D)
  * the dispatcher names, so that those loops have constant trip counts (a page's logits stay in
  * registers); `bs`/`D` of any other value take the generic copy. */
-INLINE void attend_row(const float *pages, int64_t page_elems, const float *q, const int64_t *table,
+INLINE void attend_row(const float *pages, int64_t page_elems, const float *q, const int32_t *table,
                        int64_t visible, const float *k_hat, const float *v_hat, float count,
                        const float *sinks, float *out, int G, const int D, const int bs, float scale, float cap) {
     float m[MAX_G], l[MAX_G], acc[MAX_G][MAX_D], qs[MAX_G][MAX_D], p[MAX_BS];
@@ -57,7 +57,7 @@ INLINE void attend_row(const float *pages, int64_t page_elems, const float *q, c
     }
     int64_t num_pages = (visible + bs - 1) / bs;
     for (int64_t w = 0; w < num_pages; w++) {
-        const float *kt = pages + table[w] * page_elems, *v = kt + (int64_t)D * bs;
+        const float *kt = pages + (int64_t)table[w] * page_elems, *v = kt + (int64_t)D * bs;
         int n = visible - w * bs < bs ? (int)(visible - w * bs) : bs;
         for (int g = 0; g < G; g++) {
             float row[MAX_BS];
@@ -106,7 +106,7 @@ INLINE void attend_row(const float *pages, int64_t page_elems, const float *q, c
 
 #define ROW_ARGS pages, page_elems, q_row, row_table, visible, k_row, v_row, count, sink_row, out_row, G
 
-static void attend_row_any(const float *pages, int64_t page_elems, const float *q_row, const int64_t *row_table,
+static void attend_row_any(const float *pages, int64_t page_elems, const float *q_row, const int32_t *row_table,
                            int64_t visible, const float *k_row, const float *v_row, float count,
                            const float *sink_row, float *out_row, int G, int D, int bs, float scale, float cap) {
     if (bs == 16 && D == 64) attend_row(ROW_ARGS, 64, 16, scale, cap);
@@ -118,16 +118,16 @@ static void attend_row_any(const float *pages, int64_t page_elems, const float *
 
 /* Returns 0, or 1 when a size is past the limits above (nothing written). */
 int kvcomp_merged_attention(const float *pages, int64_t page_elems, const float *q, float *out,
-                            const int64_t *seqs, int64_t num_seqs, int64_t T, const int64_t *row_start,
-                            const int64_t *table, int64_t table_stride, const int64_t *ends,
+                            const int32_t *seqs, int64_t num_seqs, int64_t T, const int32_t *row_start,
+                            const int32_t *table, int64_t table_stride, const int32_t *ends,
                             const float *k_hat, const float *v_hat, const float *counts, const float *sinks,
                             int G, int D, int bs, float scale, float cap, int threads) {
     if (G > MAX_G || D > MAX_D || bs > MAX_BS) return 1;
     int64_t tasks = num_seqs * T;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t task = 0; task < tasks; task++) {
-        int64_t s = seqs[task / T], t = task % T, row = row_start[s] + t;
-        attend_row_any(pages, page_elems, q + row * G * D, table + s * table_stride, ends[s] - T + t + 1,
+        int64_t s = seqs[task / T], t = task % T, row = (int64_t)row_start[s] + t;
+        attend_row_any(pages, page_elems, q + row * G * D, table + s * table_stride, (int64_t)ends[s] - T + t + 1,
                        k_hat + s * D, v_hat + s * D, counts[s], sinks ? sinks + s * G : NULL, out + row * G * D,
                        G, D, bs, scale, cap);
     }

@@ -38,7 +38,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 32, 256, 256
 
 _I64, _F32P = ctypes.c_int64, ctypes.POINTER(ctypes.c_float)
-_I64P = ctypes.POINTER(ctypes.c_int64)
+_I32P = ctypes.POINTER(ctypes.c_int32)
 
 
 def cache_dir() -> Path:
@@ -91,7 +91,7 @@ def library() -> ctypes.CDLL | None:
         return None
     fn = lib.kvcomp_merged_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = [_F32P, _I64, _F32P, _F32P, _I64P, _I64, _I64, _I64P, _I64P, _I64, _I64P,
+    fn.argtypes = [_F32P, _I64, _F32P, _F32P, _I32P, _I64, _I64, _I32P, _I32P, _I64, _I32P,
                    _F32P, _F32P, _F32P, _F32P, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                    ctypes.c_float, ctypes.c_float, ctypes.c_int]
     return lib
@@ -120,15 +120,15 @@ def merged_attention(pages: torch.Tensor, q: torch.Tensor, out: torch.Tensor,
     if pages.dtype != torch.float32 or not (pages.is_contiguous() and q.is_contiguous() and out.is_contiguous()):
         raise ValueError("merged_attention takes contiguous float32 pages, q and out")
     g, d = q.shape[1], q.shape[2]
-    starts, table, ends = (x.to(torch.int64).contiguous() for x in (query_start, tables, lengths))
+    starts, table, ends = (x.to(torch.int32).contiguous() for x in (query_start, tables, lengths))
     k_hat, v_hat, counts = (x.float().contiguous() for x in (k_hat, v_hat, counts))
     sinks = None if sinks is None else sinks.float().contiguous()
     fn = library().kvcomp_merged_attention
     for seqs, queries in groups:
-        seqs = seqs.to(torch.int64).contiguous()
-        status = fn(_ptr(pages, _F32P), pages.shape[1], _ptr(q, _F32P), _ptr(out, _F32P), _ptr(seqs, _I64P),
-                    seqs.numel(), queries, _ptr(starts, _I64P), _ptr(table, _I64P), table.shape[1],
-                    _ptr(ends, _I64P), _ptr(k_hat, _F32P), _ptr(v_hat, _F32P), _ptr(counts, _F32P),
+        seqs = seqs.to(torch.int32).contiguous()
+        status = fn(_ptr(pages, _F32P), pages.shape[1], _ptr(q, _F32P), _ptr(out, _F32P), _ptr(seqs, _I32P),
+                    seqs.numel(), queries, _ptr(starts, _I32P), _ptr(table, _I32P), table.shape[1],
+                    _ptr(ends, _I32P), _ptr(k_hat, _F32P), _ptr(v_hat, _F32P), _ptr(counts, _F32P),
                     None if sinks is None else _ptr(sinks, _F32P), g, d, block_size, scale, softcap,
                     torch.get_num_threads())
         if status:
