@@ -7,19 +7,20 @@ over cells by (page, offset). Attention runs over *virtual sequences* — one pe
 head): a page table, a length, and the G query heads of that KV head as its queries — so a
 kernel sees ``num_kv_heads = 1``:
 
-- :class:`CpuPagedCache`: vLLM's own CPU kernel (``vec`` ISA: a page stores ``K^T [D, bs]``
-  then ``V [bs, D]``), one call per layer for all compressed rows.
+- :class:`CpuPagedCache`: vLLM's CPU ``vec`` page (``K^T [D, bs]`` then ``V [bs, D]``), one call
+  per layer for all compressed rows: kvcomp's C kernel (``kernels.cpu_native``) for decode rows,
+  vLLM's own CPU kernel for the many rows of a prefill chunk.
 - :class:`CudaPagedCache`: ``kernels.decode_attention`` (CUDA extension or Triton; the torch
   reference on CPU tensors), a page stores ``[bs, 2D]`` cells.
 
 Each layer attends as vLLM's own kernel would for it (:class:`AttentionVariant`: scale, logit
 soft-capping, learned sinks). RazorAttention's compensation token (eq. 5) and sinks are merged by
-log-sum-exp. vLLM's CPU kernel caps logits itself but returns no LSE, so the sequences that
-carry a compensation token (or every sequence of a layer with sinks: the kernel takes one sink
-vector for all sequences, ours differ per KV head) attend on the CPU class by kvcomp's own C
-kernel (``kernels.cpu_native``, compiled on first use), or in torch where it cannot be built
-(with their LSE, batched; pages read in place by ``embedding_bag`` for decode rows), and vLLM's
-kernel skips them; the CUDA kernels take the token and the sinks natively. Both are tested against the one
+log-sum-exp. kvcomp's C kernel (compiled on first use) does that itself. vLLM's CPU kernel caps
+logits but returns no LSE, so where it attends (a prefill chunk, or no C compiler) the sequences
+that carry a compensation token (or every sequence of a layer with sinks: the kernel takes one
+sink vector for all sequences, ours differ per KV head) attend by the C kernel, or in torch where
+it cannot be built (with their LSE, batched; pages read in place by ``embedding_bag`` for decode
+rows), and vLLM's kernel skips them; the CUDA kernels take the token and the sinks natively. Both are tested against the one
 reference (``kernels.reference.decode_attention_reference``) in float64.
 """
 
