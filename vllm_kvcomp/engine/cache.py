@@ -285,6 +285,11 @@ class CpuPagedCache(PagedCache):
     #: reads a sequence's pages once per row, where vLLM's kernel tiles a prefill chunk's rows
     NATIVE_ROWS: ClassVar[int] = 8
 
+    def _native_covers(self, q: torch.Tensor) -> bool:
+        """Whether kvcomp's C kernel takes attention of queries ``q`` [T, G, D] over this cache."""
+        return self.dtype == torch.float32 and cpu_native.covers(q.dtype, q.shape[1], self.head_dim,
+                                                                 self.geometry.block_size)
+
     def _native_groups(self, q: torch.Tensor,
                        query_start: torch.Tensor) -> list[tuple[torch.Tensor, int]] | None:
         """Every sequence, grouped by its number of query rows, when the C kernel attends them
@@ -294,8 +299,7 @@ class CpuPagedCache(PagedCache):
         if plan is not None and plan[0] is query_start:
             return plan[1]
         groups = None
-        if self.dtype == torch.float32 and cpu_native.covers(q.dtype, q.shape[1], self.head_dim,
-                                                             self.geometry.block_size):
+        if self._native_covers(q):
             rows = (query_start[1:] - query_start[:-1]).tolist()
             if max(rows) <= self.NATIVE_ROWS:
                 by_rows: dict[int, list[int]] = {}
@@ -311,13 +315,12 @@ class CpuPagedCache(PagedCache):
         """The planned sequences' attention, written into ``out``: by the C kernel of
         :mod:`~vllm_kvcomp.kernels.cpu_native` (one call per layer), or in torch
         (:meth:`_attend_merged_torch`) where it is not built or does not cover the call."""
-        bs = self.geometry.block_size
-        if self.dtype == torch.float32 and cpu_native.covers(q.dtype, q.shape[1], self.head_dim, bs):
+        if self._native_covers(q):
             cpu_native.merged_attention(
                 self.pages, q, out, [(s, group) for s, group, _ in compensation.groups], query_start, tables,
                 lengths, compensation.keys, compensation.values, compensation.counts,
-                variant.sequence_sinks(tables.shape[0], self.geometry.num_kv_heads), bs, variant.scale,
-                variant.softcap)
+                variant.sequence_sinks(tables.shape[0], self.geometry.num_kv_heads), self.geometry.block_size,
+                variant.scale, variant.softcap)
         else:
             self._attend_merged_torch(out, q, tables, lengths, query_start, variant, compensation)
 
