@@ -8,9 +8,13 @@ request, greedy decoding. The timing, which the vLLM integration must reproduce 
 1. **Prefill.** One forward over the whole prompt (positions ``0..P-1``) with full causal
    attention. The last position's logits give generated token 1; its logprob is recorded.
 1b. **Chunked prefill** (``prefill_chunk``): the prompt is forwarded in chunks, each attending
-   to the cache as it stands. With ``prefill=stream`` the request's ``budget`` is set from the
-   whole prompt first (``policy.prefill_budget(P)``), and after every chunk but the last, if
-   ``policy.stream_due(state, M)`` (M = max live tokens), step 2 runs at that length.
+   to the cache as it stands. With ``prefill=stream`` or ``block`` the request's ``budget`` is
+   set from the whole prompt first (``policy.prefill_budget(P)``), and after every chunk but the
+   last, if ``policy.stream_due(state, M)`` (M = max live tokens), step 2 runs at that length.
+   Every compression of the prompt (those and the prompt end's) starts with
+   ``policy.start_prefill_compression(state)``: with ``block`` the state starts afresh, so each
+   decides as at the prompt's end, over the cache as it stands and the last ``w`` queries (the
+   chunk's own).
 2. **Compression** (only if a policy other than ``full`` is given). Per layer a
    :class:`~vllm_kvcomp.policies.base.LayerKV` is built from the store: ``keys``/``values``
    ``[H_kv, N, D]`` post-RoPE, right-aligned (head h's ``n_h`` live tokens in slots
@@ -331,13 +335,14 @@ def _prefill(model: PreTrainedModel, session: _Session, prompt: Sequence[int], p
              result: OracleResult) -> tuple[int, float]:
     """Step 1 (and 1b): forward the prompt whole or chunk by chunk, compressing between chunks
     when the policy streams; the last chunk's greedy token and logprob."""
-    streams = policy is not None and policy.prefill == "stream"
+    streams = policy is not None and policy.compresses_in_prefill
     if streams:
         state.budget = policy.prefill_budget(len(prompt))
     start = 0
     for end in chunk_ends(len(prompt), chunks):
         token, logprob = _forward(model, session, prompt[start:end], start)
         if streams and end < len(prompt) and policy.stream_due(state, session.max_live()):
+            policy.start_prefill_compression(state)
             result.compressions.append(_compress(session, policy, state, 0, end, block_size))
         start = end
     return token, logprob
@@ -409,6 +414,7 @@ def generate(
     result.token_ids.append(token)
     result.logprobs.append(logprob)
     if compresses:
+        policy.start_prefill_compression(state)
         result.compressions.append(_compress(session, policy, state, 0, processed, block_size))
     forwards = iter(decode_forwards or ())
     decode_steps = steps_since = 0

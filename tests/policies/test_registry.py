@@ -40,7 +40,7 @@ def test_a_registered_policy_reaches_the_spec_and_the_docs_table(oldest):
     assert isinstance(CompressionSpec.from_header(f"{oldest}; ratio=0.25").build_policy(), Oldest)
     rows = [line for line in policy_table.table().splitlines() if line.startswith(f"| `{oldest}` |")]
     assert rows == [f"| `{oldest}` | the oldest tokens | `ratio`=0.5 ((0, 1]); `budget`=– (≥ 1); "
-                    "`interval`=16 (≥ 1); `prefill`=end (end \\| stream) | none | no | no | "
+                    "`interval`=16 (≥ 1); `prefill`=end (end \\| stream \\| block) | none | no | `block` | "
                     f"{policy_table.PENDING} |"]
 
 

@@ -109,8 +109,8 @@ class CopyOnCompress:
 
 
 def _streams(spec: CompressionSpec) -> bool:
-    """Whether the request compresses after every prefill chunk (``prefill=stream``)."""
-    return spec.to_dict().get("prefill") == "stream"
+    """Whether the request compresses after every prefill chunk (``prefill=stream`` or ``block``)."""
+    return spec.to_dict().get("prefill") in ("stream", "block")
 
 
 @dataclass

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_kvcomp.engine.lifecycle import Lifecycle
+from vllm_kvcomp.engine.lifecycle import Lifecycle, Phase
 from vllm_kvcomp.engine.pages import RequestPages
 from vllm_kvcomp.policies.base import Compensation, Policy, RequestState
 from vllm_kvcomp.spec import CompressionSpec
@@ -119,11 +119,16 @@ class CompressedRequest:
 
     @property
     def reads_queries(self) -> bool:
-        """Whether a query captured now may still be read: until the first compression, and after
-        it only by a policy that recompresses (the others' windows are never read again) while
-        its next decision reads the cache (:meth:`~Policy.reads_cache`; one that reads no keys
-        computes no attention: a window sliding past pinned tokens reads positions only)."""
-        return not self.pages.compressed or (self.policy.recompresses and self.policy.reads_cache(self.policy_state))
+        """Whether a query captured now may still be read: until the first compression, during
+        the prefill of a ``prefill=block`` request (every chunk is scored with its own queries),
+        and otherwise only by a policy that recompresses (the others' windows are never read
+        again) while its next decision reads the cache (:meth:`~Policy.reads_cache`; one that
+        reads no keys computes no attention: a window sliding past pinned tokens reads positions only)."""
+        if not self.pages.compressed:
+            return True
+        if self.policy.prefill == "block" and self.lifecycle.phase is not Phase.DECODE:
+            return True
+        return self.policy.recompresses and self.policy.reads_cache(self.policy_state)
 
     def captures(self, end: int, drafts: int) -> bool:
         """Whether the queries of a step ending at ``end`` tokens are captured: while

@@ -361,8 +361,8 @@ class KVCompWorker:
     # ------------------------------------------------------------------ after the forward
     def finish_step(self) -> None:
         """Mark requests whose prefill just completed (compressed when the next step binds);
-        compress those whose ``prefill=stream`` chunk left a head over its budget or whose decode
-        recompression is due."""
+        compress those whose ``prefill=stream`` / ``block`` chunk left a head over its budget or
+        whose decode recompression is due."""
         for rid, sched in self.step.items():
             state = self.requests.get(rid)
             if state is None or not state.spec.compresses:
@@ -373,7 +373,7 @@ class KVCompWorker:
             if life.phase is not Phase.DECODE:
                 if end >= sched.prompt_len:
                     life.prompt_complete(end)  # compressed when the next step binds (see bind)
-                elif policy.prefill == "stream":
+                elif policy.compresses_in_prefill:
                     if state.policy_state.budget is None:  # the whole prompt's, not this chunk's
                         state.policy_state.budget = policy.prefill_budget(sched.prompt_len)
                     if policy.stream_due(state.policy_state, live):
@@ -457,6 +457,8 @@ class KVCompWorker:
         scheduler told how many to send."""
         started = time.perf_counter()
         state.live = None  # the heads' lengths change
+        if not decode:
+            state.policy.start_prefill_compression(state.policy_state)  # prefill=block: decides afresh
         for window in state.windows:  # queries of rolled-back draft tokens (a no-op otherwise)
             window.truncate(end)
         copies = self._copies(state, sched)

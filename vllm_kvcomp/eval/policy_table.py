@@ -3,7 +3,7 @@
 Every cell but the quality column comes from the policy's class: what it keeps (``KEEPS``), its
 paper (``PAPER``), parameters, defaults and ranges (:meth:`Policy.accepted_params` and its
 dataclass defaults; ``IMPLICIT_DEFAULTS`` for a default that ``None`` stands for), calibration
-(``PROFILE``), prefill streaming (``STREAMS``). The quality column is measured: from a results
+(``PROFILE``), how it compresses during prefill (``STREAMS``: ``stream``, else ``block``). The quality column is measured: from a results
 JSONL (``--results``) or kept as it stands in the document.
 
     python3 -m vllm_kvcomp.eval.policy_table --write docs/policies.md \\
@@ -66,7 +66,7 @@ def parameters(name: str) -> str:
 def row(name: str, quality: str) -> str:
     cls = get_policy_class(name)
     calibration = f"yes (`{cls.PROFILE}` profile)" if cls.PROFILE else "no"
-    streams = "yes" if cls.STREAMS else "no"
+    streams = "no" if name == "full" else "`stream`" if cls.STREAMS else "`block`"
     return (f"| `{name}` | {cls.KEEPS} | {parameters(name)} | {cls.PAPER} | {calibration} | "
             f"{streams} | {quality} |")
 
@@ -75,7 +75,7 @@ def table(quality: Mapping[str, str] | None = None) -> str:
     """The markdown table (between its markers); ``quality`` per policy, else :data:`PENDING`."""
     quality = quality or {}
     lines = [START, "| policy | keeps | parameters: default (range) | paper | calibration | "
-             "streams during prefill | quality at 0.25 (2K, all tasks, 95% CI) |",
+             "compresses during prefill | quality at 0.25 (2K, all tasks, 95% CI) |",
              "|---|---|---|---|---|---|---|"]
     lines += [row(name, quality.get(name, PENDING)) for name in policy_names()]
     return "\n".join([*lines, END])

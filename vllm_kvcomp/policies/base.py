@@ -310,6 +310,13 @@ class RequestState:
         """Tokens per engine page (1 without a page grid): the least a compaction can free."""
         return self.page_quantum[0] if self.page_quantum is not None else 1
 
+    def restart(self) -> None:
+        """Forget every compression so far (``prefill=block``: each compression of the prompt
+        decides as the prompt-end one does); the prompt length and the ranks stay."""
+        self.budget = self.allotted = None
+        self.compressions = 0
+        self.layers.clear()
+
     def over_budget(self, num_tokens: int) -> bool:
         """Whether cutting the longest head's ``num_tokens`` live tokens back frees something: on
         the engine's page grid (rounded up to it) only once it is a whole page over ``budget``
@@ -318,6 +325,13 @@ class RequestState:
         if self.budget is None:
             return False
         return num_tokens - max(self.budget, self.allotted or 0) >= self.page_size
+
+
+def budget_basis(layers: Sequence[LayerKV], state: RequestState) -> int:
+    """Tokens per head a first compression sizes its budgets from: the longest live head, or the
+    whole prompt (``state.prompt_len``) when longer (``prefill=block`` compresses each chunk to
+    the whole prompt's budget; at the prompt's end the two are equal)."""
+    return max([state.prompt_len, *(int(kv.valid_lengths().max()) for kv in layers if kv.num_kv_heads)])
 
 
 def page_count(kept: int, length: int, quantum: tuple[int, int] | None) -> int:
@@ -572,9 +586,11 @@ def protected_mask(
 # ---------------------------------------------------------------------------- policy base
 
 PREFILL_PARAM = Param(
-    "prefill", str, "end", choices=("end", "stream"),
-    help="compress the prompt once at its end, or after every prefill chunk (bounded memory; the "
-    "policies that stream during prefill: docs/policies.md)",
+    "prefill", str, "end", choices=("end", "stream", "block"),
+    help="end: compress the prompt once, at its end; stream: after every prefill chunk, keeping what compressing "
+    "at the end keeps (the policies that can: docs/policies.md); block: after every prefill chunk, the cache as "
+    "it stands as if the prompt ended there, scored with the chunk's own last queries, to the whole prompt's "
+    "budget (kvpress BlockPress; KeyDiff's block-wise prefill). stream and block hold the budget plus one chunk",
 )
 SCOPE_PARAM = Param(
     "scope", str, "all", choices=("all", "context"),
@@ -679,14 +695,21 @@ class Policy:
             raise SpecError(key, f"unknown key for policy {cls.name!r}", ", ".join(cls.accepted_params()))
         policy = cls(**kwargs)
         policy.check()
+        if cls.name == "full" and policy.compresses_in_prefill:
+            raise SpecError("prefill", "policy 'full' keeps every token", "end")
         if policy.prefill == "stream" and not cls.STREAMS:
             from vllm_kvcomp.policies.registry import streaming_policy_names
 
             raise SpecError(
-                "prefill", f"policy {cls.name!r} cannot compress during prefill: it scores tokens with the final "
-                "prompt's queries, which an earlier chunk does not have", ", ".join(streaming_policy_names()),
+                "prefill", f"policy {cls.name!r} cannot compress during prefill keeping what it keeps at the "
+                "prompt's end: it scores tokens with the final prompt's queries, which an earlier chunk does not "
+                f"have (stream is for {', '.join(streaming_policy_names())}); block compresses every chunk scored "
+                "with its own queries, in the same memory", "end, block",
             )
-        if policy.scope == "context" and policy.prefill == "stream":
+        if policy.prefill == "block" and cls.STREAMS:
+            raise SpecError("prefill", f"policy {cls.name!r} compresses during prefill keeping what it keeps at the "
+                            "prompt's end: use stream (the same memory)", "end, stream")
+        if policy.scope == "context" and policy.compresses_in_prefill:
             raise SpecError("prefill", "scope=context compresses the context once, at the prompt's end", "end")
         if policy.context_tokens is not None and policy.scope != "context":
             raise SpecError("context_tokens", "says where the context ends, which only scope=context reads",
@@ -705,6 +728,20 @@ class Policy:
         """Cross-field validation; raise SpecError naming the field."""
 
     # -- what the engine asks
+    @property
+    def compresses_in_prefill(self) -> bool:
+        """Whether the prompt is compressed after its prefill chunks too (``prefill=stream`` or
+        ``block``), not only at its end: the request then holds its budget plus one chunk."""
+        return self.prefill != "end"
+
+    def start_prefill_compression(self, state: RequestState) -> None:
+        """Called before every compression of the prompt (after a chunk, and at its end): with
+        ``prefill=block`` the state starts afresh, so that each decides as the prompt-end
+        compression does over the cache as it stands (budgets sized from the whole prompt,
+        :func:`budget_basis`)."""
+        if self.prefill == "block":
+            state.restart()
+
     def context_end(self, prompt_len: int) -> int:
         """Leading tokens of a ``prompt_len`` prompt that are compressed: all of them, or with
         ``scope=context`` the first ``context_tokens`` (the whole prompt when not given)."""
@@ -776,7 +813,10 @@ class Policy:
 
     def streaming_bound(self, prompt_len: int) -> int | None:
         """Most tokens a head holds after compressing a ``prompt_len`` prompt chunk by chunk (the
-        scheduler admits by it), or None when it cannot be told from the spec alone."""
+        scheduler admits by it), or None when it cannot be told from the spec alone; with
+        ``prefill=block`` on average over the heads (the pages are shared), as at the prompt's end."""
+        if self.prefill == "block":
+            return self.mean_kept_bound(prompt_len)
         return self.prefill_budget(prompt_len)
 
     def due(self, state: RequestState, num_tokens: int, steps_since: int) -> bool:
@@ -920,7 +960,7 @@ class ScorePolicy(Policy):
 
     def select(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
         if layers and state.budget is None:
-            state.budget = self.target_budget(int(layers[0].valid_lengths().max()))
+            state.budget = self.target_budget(budget_basis(layers, state))
         return self.select_scored(layers, state, [state.budget] * len(layers), self.allocate,
                                   self.allocates_across_heads())
 
@@ -1128,6 +1168,7 @@ __all__ = [
     "ScorePolicy",
     "Selection",
     "SlotMemory",
+    "budget_basis",
     "ceil_div",
     "keep_pinned_layers",
     "kept_pins",

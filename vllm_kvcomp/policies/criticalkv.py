@@ -50,6 +50,7 @@ from vllm_kvcomp.policies.base import (
     RequestState,
     ScorePolicy,
     Selection,
+    budget_basis,
     protected_topk,
 )
 from vllm_kvcomp.policies.expected_attention import ExpectedAttention, expected_attention_scores
@@ -191,7 +192,7 @@ class CriticalKV(ScorePolicy):
         """The critical scores [H_kv, N] and each head's kept count b_h (the budget; AdaKV's
         allocation by the inner score under ``heads=adaptive``)."""
         if state.budget is None:
-            state.budget = self.target_budget(int(kv.valid_lengths().max()))
+            state.budget = self.target_budget(budget_basis([kv], state))
         lengths = kv.valid_lengths()
         sink, window = self.protected()
         if self.heads == "adaptive":

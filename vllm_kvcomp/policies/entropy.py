@@ -39,6 +39,7 @@ from vllm_kvcomp.policies.base import (
     RequestState,
     Selection,
     SlotMemory,
+    budget_basis,
     keep_pinned_layers,
     kept_pins,
     protected_topk,
@@ -167,7 +168,7 @@ class EntropyBudget(Policy):
             return self._slide(layers, state)
         stats = [attention_entropy(window_logits(kv), state.ranks) for kv in layers]
         probs = [p for p, _ in stats]  # each [H_q, w, N]
-        longest = max((int(kv.valid_lengths().max()) for kv in layers), default=0)
+        longest = budget_basis(layers, state)
         target = self.target_budget(longest)
         budgets = entropy_budgets([e for _, e in stats], target, self.min_ratio, self.max_ratio)
         budgets = snap_to_pages(budgets, state.page_quantum, longest)  # whole pages, the same sum

@@ -42,6 +42,7 @@ from vllm_kvcomp.policies.base import (
     Ranking,
     RequestState,
     Selection,
+    budget_basis,
     page_count,
     protected_topk,
     reduce_gqa,
@@ -166,7 +167,7 @@ class POD(Policy):
             return []
         by_layer = {kv.layer: kv for kv in layers}
         if state.budget is None:
-            state.budget = self.kept_for(max(int(kv.valid_lengths().max()) for kv in layers))
+            state.budget = self.kept_for(budget_basis(layers, state))
         scored: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (skip [H_kv], scores [H_kv, N])
         for group in self.layer_groups(layers[0].num_layers):
             present = [by_layer[i] for i in group if i in by_layer]

@@ -38,7 +38,14 @@ from fractions import Fraction
 from typing import Any, ClassVar
 
 from vllm_kvcomp.params import Param
-from vllm_kvcomp.policies.base import LayerKV, Policy, RequestState, Selection, snap_to_pages
+from vllm_kvcomp.policies.base import (
+    LayerKV,
+    Policy,
+    RequestState,
+    Selection,
+    budget_basis,
+    snap_to_pages,
+)
 from vllm_kvcomp.policies.snapkv import SnapKV
 from vllm_kvcomp.policies.wrappers import LayerBudgets
 
@@ -115,7 +122,7 @@ class PyramidKV(Policy):
         if not layers:
             return []
         if state.budget is None:  # the first compression lays the pyramid over the prompt
-            longest = max(int(kv.valid_lengths().max()) for kv in layers)
+            longest = budget_basis(layers, state)
             ordered = sorted(layers, key=lambda kv: kv.layer)
             pyramid = pyramid_budgets(len(ordered), self.target_budget(longest), longest, self.window, self.beta)
             pyramid = snap_to_pages(pyramid, state.page_quantum, longest)

@@ -30,6 +30,7 @@ from vllm_kvcomp.policies.base import (
     RequestState,
     ScorePolicy,
     Selection,
+    budget_basis,
     live_mask,
     page_count,
     protected_mask,
@@ -187,7 +188,7 @@ class AdaptiveHeads(_Wrapper):
 
     def select(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
         if layers and state.budget is None:
-            state.budget = self.target_budget(int(layers[0].valid_lengths().max()))
+            state.budget = self.target_budget(budget_basis(layers, state))
         return self.inner.select_scored(layers, state, [state.budget] * len(layers),
                                         partial(adaptive_topk_layers, floor=self.floor), True)
 

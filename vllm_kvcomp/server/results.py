@@ -46,12 +46,12 @@ class ResultTap:
             return
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else getattr(prompt, "prompt_token_ids", None)
         extra = getattr(sampling_params, "extra_args", None) or {}
-        if ids is None or len(ids) + 1 <= self.kv_cache_tokens or extra.get("kvcomp_prefill") == "stream":
+        if ids is None or len(ids) + 1 <= self.kv_cache_tokens or extra.get("kvcomp_prefill") in ("stream", "block"):
             return
         raise vllm_compat.validation_error(
             f"This prompt has {len(ids)} tokens but the KV cache holds {self.kv_cache_tokens}: only a request "
             "compressed during prefill can use it (e.g. X-KV-Compression: policy=streamingllm; ratio=0.25; "
-            "prefill=stream)", parameter="prompt")
+            "prefill=stream, or policy=snapkv; ratio=0.25; prefill=block)", parameter="prompt")
 
     def wrap(self, generate: Callable[..., AsyncGenerator[Any, None]]) -> Callable[..., AsyncGenerator[Any, None]]:
         """``generate`` that records each request's result when its final output passes."""
