@@ -149,6 +149,23 @@ def test_decode_recompress_bounds_a_one_shot_policys_long_output(server):
     assert ext["tokens_evicted"] > once["tokens_evicted"] and ext["kept_fraction"] < once["kept_fraction"]
 
 
+def test_prefill_block_is_applied_and_keeps_what_end_keeps_for_a_prompt_of_one_chunk(server):
+    """A 500-token prompt is one prefill chunk here: ``prefill=block`` compresses once, at its end,
+    as ``prefill=end`` does, and the applied header says which was asked."""
+    runs = {}
+    for prefill in ("block", "end"):
+        raw = server.client().completions.with_raw_response.create(
+            model=server.model, prompt=prompt_ids(500, seed=9), max_tokens=4, temperature=0,
+            extra_headers={HEADER: f"snapkv; ratio=0.25; prefill={prefill}"},
+        )
+        runs[prefill] = (raw.headers[APPLIED], raw.parse())
+    (applied, block), (_, end) = runs["block"], runs["end"]
+    assert applied == "policy=snapkv; ratio=0.25; prefill=block" == kv_usage(block.usage)["applied"]
+    assert numbers(kv_usage(block.usage)) == numbers(kv_usage(end.usage))
+    assert kv_usage(block.usage)["compressions"] == 1
+    assert block.choices[0].text == end.choices[0].text
+
+
 # ---------------------------------------------------------------------------- streaming
 
 
@@ -247,6 +264,9 @@ ERRORS = {
                          "lagkv"),
     "recompress a context": ({HEADER: "snapkv; decode=recompress; scope=context; context_tokens=4"}, {},
                              "X-KV-Compression.decode", "keep"),
+    "stream on a scoring policy": ({HEADER: "snapkv; prefill=stream"}, {}, "X-KV-Compression.prefill", "end, block"),
+    "block on a streaming policy": ({HEADER: "streamingllm; prefill=block"}, {}, "X-KV-Compression.prefill",
+                                    "end, stream"),
     "sources disagree": ({HEADER: "snapkv; ratio=0.5"}, {"kv_compression": {"policy": "snapkv", "ratio": 0.25}},
                          "kv_compression", "one source"),
 }

@@ -62,18 +62,19 @@ def test_draws_cover_every_policy_route_and_client_behaviour():
     assert {d.malformed.kind for d in draws if d.malformed} == {c.kind for c in soak.malformed_cases(POLICY_NAMES, MAX_LEN)}
 
 
-def test_prefill_stream_and_ratio_only_where_the_registry_allows_them():
+def test_prefill_stream_block_and_ratio_only_where_the_registry_allows_them():
     source = drawer()
     normal = [d for d in (source.draw() for _ in range(3000)) if d.malformed is None]
-    streamed = {d.label for d in normal if d.prefill_stream}
-    assert streamed == set(streaming_policy_names())
+    streamed = {d.label for d in normal if d.prefill is not None}
+    assert streamed == {d.label for d in normal if d.compressed}
+    assert {d.label for d in normal if d.prefill == "stream"} == set(streaming_policy_names()) & streamed
     for d in normal:
         accepts_ratio = d.label != "none" and "ratio" in get_policy_class(d.label).accepted_params()
         assert (d.ratio is not None) == accepts_ratio, d
         assert d.compressed == (d.label not in NO_COMPRESSION_WORDS)
-    for label in streamed:  # about half of a streaming policy's requests stream their prefill
+    for label in streamed:  # about half of a compressing policy's requests compress their prefill
         mine = [d for d in normal if d.label == label]
-        assert 0.3 < sum(d.prefill_stream for d in mine) / len(mine) < 0.7
+        assert 0.3 < sum(d.prefill is not None for d in mine) / len(mine) < 0.7
 
 
 def test_every_drawn_spec_is_valid_and_every_malformed_header_is_not():
@@ -146,12 +147,12 @@ def test_prompts_are_unique_sized_and_share_only_the_documents():
 
 def test_request_parts_put_the_spec_where_the_draw_says():
     prompts = soak.Prompts(0, 512, CharEstimateCounter(), [])
-    header = soak.Draw(1, "lagkv", 0.25, True, False, "chat", True, True, 300, 8)
+    header = soak.Draw(1, "lagkv", 0.25, "stream", False, "chat", True, True, 300, 8)
     path, headers, body, raw = soak.request_parts(header, "m", prompts)
     assert path == "/v1/chat/completions" and raw is None
     assert headers == {soak.HEADER: "policy=lagkv; ratio=0.25; prefill=stream"}
     assert body["stream_options"] == {"include_usage": True} and body["ignore_eos"] and "kv_compression" not in body
-    in_body = soak.Draw(2, "snapkv", 0.5, False, True, "completions", False, False, 300, 8)
+    in_body = soak.Draw(2, "snapkv", 0.5, None, True, "completions", False, False, 300, 8)
     path, headers, body, _ = soak.request_parts(in_body, "m", prompts)
     assert path == "/v1/completions" and headers == {} and len(body["prompt"]) == 300
     assert body["kv_compression"] == {"policy": "snapkv", "ratio": 0.5}

@@ -12,7 +12,8 @@ random (seeded):
 
 - the policy: every registered policy the served model can use (razor and pod need a calibration
   profile), or ``none`` (no header at all); ``ratio`` from ``--ratios`` where the policy takes one;
-  ``prefill=stream`` for half the requests of the policies that allow it; the spec in the
+  compression during prefill for half the requests of a compressing policy (``prefill=stream``
+  where the policy streams, else ``prefill=block``); the spec in the
   ``X-KV-Compression`` header, or (20 %) as the ``kv_compression`` body field;
 - the prompt length (log-uniform in ``--min-prompt``..``--max-prompt`` tokens) and output length
   (log-uniform in ``--min-output``..``--max-output``, ``ignore_eos``);
@@ -120,7 +121,7 @@ class Draw:
     index: int
     label: str  # "none" (no setting sent), a registered policy name, or "malformed"
     ratio: float | None = None
-    prefill_stream: bool = False
+    prefill: str | None = None  # "stream" or "block": compressed after every prefill chunk
     in_body: bool = False  # the spec goes in the ``kv_compression`` body field, not the header
     route: str = "completions"  # or "chat"
     stream: bool = False
@@ -143,8 +144,8 @@ class Draw:
         out: dict[str, Any] = {"policy": self.label}
         if self.ratio is not None:
             out["ratio"] = self.ratio
-        if self.prefill_stream:
-            out["prefill"] = "stream"
+        if self.prefill is not None:
+            out["prefill"] = self.prefill
         return out
 
     def header(self) -> str | None:
@@ -165,7 +166,7 @@ class Shares:
     repeat: float = 0.10  # completions that start with a shared document (the next request repeats it)
     stream: float = 0.5
     chat: float = 0.5
-    prefill_stream: float = 0.5  # of the requests whose policy allows it
+    prefill_chunks: float = 0.5  # of a compressing policy's requests: prefill=stream or block
     in_body: float = 0.2
     include_usage: float = 0.5  # of the streams
 
@@ -238,7 +239,8 @@ class Drawer:
         label = rng.choice(self.labels)
         params = {} if label == NO_HEADER else get_policy_class(label).accepted_params()
         ratio = rng.choice(self.label_ratios.get(label, self.ratios)) if "ratio" in params else None
-        prefill_stream = label in self.streaming and rng.random() < shares.prefill_stream
+        chunks = label not in NO_COMPRESSION_WORDS and rng.random() < shares.prefill_chunks
+        prefill = ("stream" if label in self.streaming else "block") if chunks else None
         in_body = label != NO_HEADER and rng.random() < shares.in_body
         route = "completions" if self.follow is not None or rng.random() >= shares.chat else "chat"
         abort = rng.random() < shares.abort
@@ -254,7 +256,7 @@ class Drawer:
         else:
             prompt_tokens = log_uniform(rng, *self.prompt)
         abort_after = rng.randint(0, max(1, max_tokens // 2)) if abort else None
-        return Draw(index, label, ratio, prefill_stream, in_body, route, stream, include_usage, prompt_tokens,
+        return Draw(index, label, ratio, prefill, in_body, route, stream, include_usage, prompt_tokens,
                     max_tokens, abort_after, shared_doc)
 
 
@@ -365,8 +367,8 @@ def check_answer(draw: Draw, result: Result) -> str:
     if (result.applied == "none") != (expected == "full") or (
             expected != "full" and not result.applied.startswith(f"policy={expected}")):
         return f"{APPLIED}: {result.applied!r} for a request of {expected}"
-    if draw.prefill_stream and "prefill=stream" not in result.applied:
-        return f"{APPLIED}: {result.applied!r} lost prefill=stream"
+    if draw.prefill is not None and f"prefill={draw.prefill}" not in result.applied:
+        return f"{APPLIED}: {result.applied!r} lost prefill={draw.prefill}"
     if not result.kvc:
         return "no kv_compression numbers in the response"
     if result.kvc.get("policy") != expected:
@@ -941,7 +943,7 @@ def trimmed_rows(run: RunData) -> dict[str, str]:
 
 def policy_table(run: RunData) -> list[str]:
     """Requests done per policy: outcomes, kinds, and the usage extension's numbers."""
-    lines = ["| policy | sent | ok | aborted | errors | 5xx | streamed | chat | prefill=stream | in body | "
+    lines = ["| policy | sent | ok | aborted | errors | 5xx | streamed | chat | prefill=stream / block | in body | "
              "mean kept_fraction | blocks freed | preemptions (usage) |", "|---|" + "---|" * 12]
     for label in run.labels:
         mine = [r for r in run.results if r.draw.label == label]
@@ -951,7 +953,7 @@ def policy_table(run: RunData) -> list[str]:
             f"| {label} | {len(mine)} | {len(ok)} | {sum(r.outcome == 'aborted' for r in mine)} | "
             f"{sum(r.outcome == 'error' for r in mine)} | {sum(r.server_error for r in mine)} | "
             f"{sum(r.draw.stream for r in mine)} | {sum(r.draw.route == 'chat' for r in mine)} | "
-            f"{sum(r.draw.prefill_stream for r in mine)} | {sum(r.draw.in_body for r in mine)} | "
+            f"{sum(r.draw.prefill is not None for r in mine)} | {sum(r.draw.in_body for r in mine)} | "
             f"{_f(statistics.fmean(kept), 3) if kept else '-'} | {sum(r.kvc.get('blocks_freed', 0) for r in ok)} | "
             f"{sum(r.kvc.get('preemptions', 0) for r in ok)} |")
     return lines

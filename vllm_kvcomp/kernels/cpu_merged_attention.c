@@ -104,16 +104,168 @@ INLINE void attend_row(const float *pages, int64_t page_elems, const float *q, c
     }
 }
 
+/* The same row for block sizes that are multiples of 32 (or 8, 16, 24) and head dims that are
+ * multiples of 8, without soft-capping, in 8-float vectors (GCC vector extensions: one AVX2
+ * register each with -march=native) whose accumulators stay in registers: per page the logits of
+ * a tile of up to 32 cells x QH query heads (12 accumulators hide the FMA latency; one read of
+ * K^T feeds every head of the tile), then each head's acc[D] += p[j] * V[j] over the page in
+ * 64-wide tiles of 8 registers. Same arithmetic as attend_row: f32, online softmax,
+ * exp_nonpositive; cells past the end weigh 0 and their values are not read. */
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+#define QK_VECTORS 12 /* logit accumulators of a tile: query heads x cells / 8 */
+#define MAX_PAD (MAX_G + QK_VECTORS)
+
+INLINE v8 load8(const float *p) { v8 x; memcpy(&x, p, sizeof x); return x; }
+INLINE void store8(float *p, v8 x) { memcpy(p, &x, sizeof x); }
+INLINE v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+INLINE v8 max8(v8 a, v8 b) { /* lane-wise a > b ? a : b, by mask (C has no vector ?:) */
+    v8i take_a = a > b;
+    return (v8)((take_a & (v8i)a) | (~take_a & (v8i)b));
+}
+
+/* exp_nonpositive on 8 lanes (round-to-nearest by the 1.5 * 2^23 shift instead of floor(x + 0.5):
+ * the same reduced range, |r| <= ln2 / 2). */
+INLINE v8 exp8_nonpositive(v8 x) {
+    x = max8(x, splat8(-87.0f));
+    v8 shifted = x * 1.44269504088896341f + 12582912.0f, n = shifted - 12582912.0f;
+    v8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v8 p = splat8(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+    v8 scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+INLINE float hmax8(v8 x) {
+    float m = x[0];
+    for (int i = 1; i < 8; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+INLINE float hsum8(v8 x) {
+    return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
+}
+
+/* logits[g][0..bs) = qs[g] . K^T of one page, for the first `heads` query heads (a multiple of QH),
+ * in tiles of QH heads x JT vectors of cells. */
+INLINE void page_logits(const float *kt, float qs[][MAX_D], float logits[][MAX_BS], int heads,
+                        const int D, const int bs, const int QH, const int JT) {
+    for (int g0 = 0; g0 < heads; g0 += QH)
+        for (int j0 = 0; j0 < bs; j0 += 8 * JT) {
+            v8 row[QK_VECTORS];
+            for (int i = 0; i < QH * JT; i++) row[i] = splat8(0.0f);
+            for (int d = 0; d < D; d++) {
+                const float *krow = kt + (int64_t)d * bs + j0;
+                for (int i = 0; i < JT; i++) {
+                    v8 k = load8(krow + 8 * i);
+                    for (int h = 0; h < QH; h++) row[h * JT + i] += splat8(qs[g0 + h][d]) * k;
+                }
+            }
+            for (int h = 0; h < QH; h++)
+                for (int i = 0; i < JT; i++) store8(&logits[g0 + h][j0 + 8 * i], row[h * JT + i]);
+        }
+}
+
+INLINE void attend_row_vec(const float *pages, int64_t page_elems, const float *q, const int32_t *table,
+                           int64_t visible, const float *k_hat, const float *v_hat, float count,
+                           const float *sinks, float *out, int G, const int D, const int bs, float scale) {
+    const int B8 = bs / 8, JT = B8 < 4 ? B8 : 4; /* cell vectors of a tile */
+    const int most = QK_VECTORS / JT < 6 ? QK_VECTORS / JT : 6, QH = G < most ? G : most; /* its query heads */
+    float m[MAX_PAD], l[MAX_PAD], qs[MAX_PAD][MAX_D];
+    float logits[MAX_PAD][MAX_BS] __attribute__((aligned(32)));
+    v8 acc[MAX_G][MAX_D / 8];
+    int padded = (G + QH - 1) / QH * QH; /* extra heads of zero queries: computed, never used */
+    for (int g = 0; g < padded; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+        for (int d = 0; d < D; d++) qs[g][d] = g < G ? q[g * D + d] * scale : 0.0f;
+    }
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < D / 8; i++) acc[g][i] = splat8(0.0f);
+    int64_t num_pages = (visible + bs - 1) / bs;
+    for (int64_t w = 0; w < num_pages; w++) {
+        const float *kt = pages + (int64_t)table[w] * page_elems, *v = kt + (int64_t)D * bs;
+        int n = visible - w * bs < bs ? (int)(visible - w * bs) : bs;
+        switch (QH) { /* a constant tile each, so that its accumulators stay in registers */
+            case 1: page_logits(kt, qs, logits, padded, D, bs, 1, JT); break;
+            case 2: page_logits(kt, qs, logits, padded, D, bs, 2, JT); break;
+            case 3: page_logits(kt, qs, logits, padded, D, bs, 3, JT); break;
+            case 4: page_logits(kt, qs, logits, padded, D, bs, 4, JT); break;
+            case 5: page_logits(kt, qs, logits, padded, D, bs, 5, JT); break;
+            default: page_logits(kt, qs, logits, padded, D, bs, 6, JT); break;
+        }
+        for (int g = 0; g < G; g++) {
+            float *row = logits[g];
+            for (int j = n; j < bs; j++) row[j] = -INFINITY; /* past the end (unwritten cells may be NaN) */
+            v8 top8 = load8(row);
+            for (int i = 1; i < B8; i++) {
+                top8 = max8(load8(row + 8 * i), top8);
+            }
+            float top = hmax8(top8);
+            top = top > m[g] ? top : m[g];
+            if (top > m[g]) {
+                float shrink = expf(m[g] - top); /* exp(-inf) = 0 on the first page */
+                l[g] *= shrink;
+                for (int i = 0; i < D / 8; i++) acc[g][i] *= shrink;
+                m[g] = top;
+            }
+            for (int i = 0; i < B8; i++) store8(row + 8 * i, exp8_nonpositive(load8(row + 8 * i) - top));
+            for (int j = n; j < bs; j++) row[j] = 0.0f; /* cells past the end weigh 0 */
+            v8 sum8 = load8(row);
+            for (int i = 1; i < B8; i++) sum8 += load8(row + 8 * i);
+            l[g] += hsum8(sum8);
+            for (int t = 0; t < D / 8; t += 8) { /* 64 values at a time: 8 accumulators in registers */
+                int width = D / 8 - t < 8 ? D / 8 - t : 8;
+                v8 a[8];
+                for (int i = 0; i < width; i++) a[i] = acc[g][t + i];
+                for (int j = 0; j < n; j++) {
+                    v8 pj = splat8(row[j]);
+                    const float *vrow = v + (int64_t)j * D + 8 * t;
+                    for (int i = 0; i < width; i++) a[i] += pj * load8(vrow + 8 * i);
+                }
+                for (int i = 0; i < width; i++) acc[g][t + i] = a[i];
+            }
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        float kept = l[g] > 0.0f ? m[g] + logf(l[g]) : -INFINITY;
+        float token = -INFINITY, sink = sinks ? sinks[g] : -INFINITY;
+        if (count > 0.0f) {
+            float dot = 0.0f;
+            for (int d = 0; d < D; d++) dot += qs[g][d] * k_hat[d];
+            token = dot + logf(count);
+        }
+        float top = fmaxf(kept, fmaxf(token, sink));
+        float wk = expf(kept - top), wt = expf(token - top), ws = expf(sink - top);
+        float norm = wk + wt + ws, a = l[g] > 0.0f ? wk / (norm * l[g]) : 0.0f, b = wt / norm;
+        for (int i = 0; i < D / 8; i++) {
+            v8 o = acc[g][i] * a;
+            if (count > 0.0f) o += load8(v_hat + 8 * i) * b;
+            store8(out + g * D + 8 * i, o);
+        }
+    }
+}
+
 #define ROW_ARGS pages, page_elems, q_row, row_table, visible, k_row, v_row, count, sink_row, out_row, G
 
 static void attend_row_any(const float *pages, int64_t page_elems, const float *q_row, const int32_t *row_table,
                            int64_t visible, const float *k_row, const float *v_row, float count,
                            const float *sink_row, float *out_row, int G, int D, int bs, float scale, float cap) {
-    if (bs == 16 && D == 64) attend_row(ROW_ARGS, 64, 16, scale, cap);
-    else if (bs == 32 && D == 64) attend_row(ROW_ARGS, 64, 32, scale, cap);
-    else if (bs == 16 && D == 128) attend_row(ROW_ARGS, 128, 16, scale, cap);
-    else if (bs == 32 && D == 128) attend_row(ROW_ARGS, 128, 32, scale, cap);
-    else attend_row(ROW_ARGS, D, bs, scale, cap);
+    if (cap > 0.0f || D % 8 || (bs % 32 && (bs > 24 || bs % 8))) attend_row(ROW_ARGS, D, bs, scale, cap);
+    else if (bs == 16 && D == 64) attend_row_vec(ROW_ARGS, 64, 16, scale);
+    else if (bs == 32 && D == 64) attend_row_vec(ROW_ARGS, 64, 32, scale);
+    else if (bs == 16 && D == 128) attend_row_vec(ROW_ARGS, 128, 16, scale);
+    else if (bs == 32 && D == 128) attend_row_vec(ROW_ARGS, 128, 32, scale);
+    else if (bs == 128 && D == 64) attend_row_vec(ROW_ARGS, 64, 128, scale);
+    else if (bs == 128 && D == 128) attend_row_vec(ROW_ARGS, 128, 128, scale);
+    else attend_row_vec(ROW_ARGS, D, bs, scale);
 }
 
 /* Returns 0, or 1 when a size is past the limits above (nothing written). */
