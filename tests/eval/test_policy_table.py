@@ -25,11 +25,13 @@ def test_policies_doc_table_matches_the_registry() -> None:
 def test_table_cells_come_from_the_classes() -> None:
     text = policy_table.table()
     lag = next(line for line in text.splitlines() if line.startswith("| `lagkv` |"))
-    assert "`lag`=128 (≥ 1)" in lag and "`sink`=16 (≥ 0)" in lag and "| yes |" in lag
+    assert "`lag`=128 (≥ 1)" in lag and "`sink`=16 (≥ 0)" in lag and "| `stream` |" in lag
     razor = next(line for line in text.splitlines() if line.startswith("| `razor` |"))
     assert "yes (`razor` profile)" in razor and "`buffer`=512" in razor
     snap = next(line for line in text.splitlines() if line.startswith("| `snapkv` |"))
-    assert "`kernel`=7 (1–63)" in snap and snap.endswith(f"| no | {policy_table.PENDING} |")
+    assert "`kernel`=7 (1–63)" in snap and snap.endswith(f"| no | `block` | {policy_table.PENDING} |")
+    full = next(line for line in text.splitlines() if line.startswith("| `full` |"))
+    assert full.endswith(f"| no | no | {policy_table.PENDING} |")
 
 
 def test_quality_column_from_results_and_kept_on_rewrite() -> None:

@@ -56,3 +56,19 @@ def test_bytes_moved_counts_kv_once_and_q_out_once() -> None:
     a = argparse.Namespace(kv_heads=2, group=4, head_dim=8, dtype=torch.bfloat16)
     # KV: 3 requests x 2 heads x 10 slots x (K + V) x 8 x 2 bytes; q and out: 2 x 3 x 8 x 8 x 2
     assert bench_kernels.bytes_decode(a, 10, 3) == 3 * 2 * 10 * 16 * 2 + 2 * 3 * 8 * 8 * 2
+
+
+@pytest.mark.vllm
+def test_cpu_phase_times_the_c_kernel_next_to_vllms_over_the_same_pages(tmp_path: Path) -> None:
+    rows_json = tmp_path / "rows.json"
+    argv = ["--device", "cpu", "--phases", "cpu", "--layers", "2", "--kv-heads", "2", "--group", "3", "--head-dim", "64",
+            "--block-size", "32", "--dtype", "float32", "--contexts", "70", "--batches", "2", "--iters", "2",
+            "--out", str(tmp_path / "k.md"), "--json", str(rows_json)]
+    assert bench_kernels.main(argv) == 0
+    rows = json.loads(rows_json.read_text())["rows"]
+    assert [r["what"] for r in rows] == ["kvcomp C kernel", "vLLM CPU kernel"]
+    assert all(r["extra"]["max_diff"] < 1e-4 and r["extra"]["ns_per_cell"] > 0 for r in rows)
+    assert rows[0]["extra"]["vs_vllm"] == pytest.approx(rows[1]["ms"] / rows[0]["ms"])
+    assert "## cpu" in (tmp_path / "k.md").read_text()
+    with pytest.raises(SystemExit, match="float32"):
+        bench_kernels.main([*argv[:argv.index("--dtype")], "--dtype", "bfloat16", "--contexts", "70"])

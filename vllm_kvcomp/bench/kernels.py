@@ -1,6 +1,6 @@
 """The kernels the engine runs on a GPU, timed against the device's own ceilings, in one run.
 
-Three phases (``--phases``, all by default):
+Five phases (``--phases``; all but ``cpu`` by default):
 
 ``decode``
     ``kernels.decode_attention`` over a paged cache (per-head ranges + compensation token) on
@@ -16,6 +16,12 @@ Three phases (``--phases``, all by default):
     Packing the kept cells of one request (all layers and KV heads) into its pages
     (``CudaPagedCache.move`` of the move ``RequestPages.compact`` plans) against a device copy of
     the same bytes, and the generic read-then-write move it replaces.
+``cpu``
+    A compressed decode step's attention on vLLM's CPU backend (``--device cpu`` with vLLM
+    installed): the engine's call (``CpuPagedCache.attend``, kvcomp's C kernel) over every layer's
+    per-(request, KV head) pages of N cells each, in block order as packed pages are, next to
+    vLLM's CPU kernel over the same pages (the engine's path without the C kernel); outputs
+    compared. ns per cell = one step's time / (layers x sequences x N).
 ``decide``
     The rest of a prompt-end compression, per policy (every registered policy and variant at
     ``--decide-ratio``), the two ways the worker can run it: **before** (the engine until
@@ -35,6 +41,8 @@ a move reads and writes every moved cell) / median time. GPU times come from
     vllm-kvcomp bench kernels                                 # GPU, Llama-3.1-8B shapes
     vllm-kvcomp bench kernels --phases pages --kept 0.25 --json out.json
     python -m vllm_kvcomp.bench.kernels --device cpu          # tiny smoke grid, Triton interpreter
+    vllm-kvcomp bench kernels --device cpu --phases cpu --layers 30 --kv-heads 3 --group 3 \
+        --block-size 32 --dtype float32 --batches 4 --contexts 512,2000 --iters 20   # the bundled model's shapes
 """
 
 from __future__ import annotations
@@ -54,7 +62,7 @@ import torch
 
 from vllm_kvcomp.bench.common import module_main, write_report
 
-PHASES = ("decode", "pages", "compact", "decide")
+PHASES = ("decode", "pages", "compact", "cpu", "decide")
 GPU = dict(contexts="4096,16384,32768", batches="1,8,64", kv_heads=8, head_dim=128, layers=32,
            compact_context=32768, decide_contexts="8192,32768")
 CPU = dict(contexts="256,512", batches="1,2", kv_heads=2, head_dim=64, layers=2, compact_context=512,
@@ -80,7 +88,8 @@ class Row:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     gpu = torch.cuda.is_available()
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if gpu else "cpu")
-    p.add_argument("--phases", default=",".join(PHASES), help=f"comma list of {', '.join(PHASES)}")
+    p.add_argument("--phases", default=",".join(p for p in PHASES if p != "cpu"),
+                   help=f"comma list of {', '.join(PHASES)} (default: all but cpu)")
     p.add_argument("--contexts", help=f"comma list of N (default GPU {GPU['contexts']}, CPU {CPU['contexts']})")
     p.add_argument("--batches", help=f"comma list of B (default GPU {GPU['batches']}, CPU {CPU['batches']})")
     p.add_argument("--kept", default="0.5,0.25,0.125", help="kept fractions of the pages/compact phases")
@@ -191,6 +200,50 @@ def _row(a, phase: str, what: str, n: int, batch: int, kept: float, ms: float, n
          **extra) -> Row:
     gbps = nbytes / ms / 1e6
     return Row(phase, what, n, batch, kept, ms, gbps, 100 * gbps / copy_gbps, extra)
+
+
+# ---------------------------------------------------------------------------- vLLM's CPU backend
+def bench_cpu(a: argparse.Namespace, n: int, batch: int, measure: Measure) -> list[Row]:
+    """One decode step's attention over every layer: ``batch`` requests x ``a.kv_heads`` KV heads,
+    each a virtual sequence of ``n`` cells in its own pages, by the C kernel and by vLLM's kernel."""
+    from vllm_kvcomp.engine.cache import AttentionVariant, CpuPagedCache
+    from vllm_kvcomp.kernels import cpu_native
+
+    bs, d, heads, seqs = a.block_size, a.head_dim, a.kv_heads, batch * a.kv_heads
+    width = -(-n // bs)
+    blocks = -(-seqs * width // heads) + 1
+    gen = torch.Generator().manual_seed(n + batch)
+    storage = torch.randn(a.layers, blocks, heads, bs, 2 * d, generator=gen).to(a.dtype)
+    cache = CpuPagedCache([storage[layer] for layer in range(a.layers)])
+    first = cache.geometry.first_page.tolist()
+    tables = [(first[layer] + torch.arange(seqs * width)).view(seqs, width).to(torch.int32)
+              for layer in range(a.layers)]  # each sequence's pages in block order, as packed pages are
+    lengths, starts = torch.full((seqs,), n, dtype=torch.int32), torch.arange(seqs + 1, dtype=torch.int32)
+    queries = [torch.randn(seqs, a.group, d, generator=gen).to(a.dtype) for _ in range(a.layers)]
+    variant = AttentionVariant(d ** -0.5)
+
+    def step(rows: int) -> Callable[[], list[torch.Tensor]]:
+        def call() -> list[torch.Tensor]:
+            previous, CpuPagedCache.NATIVE_ROWS = CpuPagedCache.NATIVE_ROWS, rows
+            try:
+                return [cache.attend(q, t, lengths, starts, variant, None, {}) for q, t in zip(queries, tables)]
+            finally:
+                CpuPagedCache.NATIVE_ROWS = previous
+        return call
+
+    ours, theirs = step(CpuPagedCache.NATIVE_ROWS), step(0)  # 0 rows: every call goes to vLLM's kernel
+    if not cpu_native.covers(a.dtype, a.group, d, bs):
+        raise SystemExit("--phases cpu: kvcomp's C kernel takes float32 (--dtype float32) with at most "
+                         "32 query heads per KV head, head dims up to 256, and needs a C compiler")
+    err = max(float((x - y).abs().max()) for x, y in zip(ours(), theirs()))
+    cells = a.layers * seqs * n
+    nbytes = cells * 2 * d * a.dtype.itemsize
+    rows = []
+    for what, fn in (("kvcomp C kernel", ours), ("vLLM CPU kernel", theirs)):
+        ms = measure(fn)
+        rows.append(_row(a, "cpu", what, n, batch, 1.0, ms, nbytes, 1.0, ns_per_cell=ms * 1e6 / cells, max_diff=err))
+    rows[0].extra["vs_vllm"] = rows[1].ms / rows[0].ms
+    return rows
 
 
 # ---------------------------------------------------------------------------- uncompressed baselines
@@ -582,6 +635,13 @@ def markdown(rows: list[Row], copy_gbps: float, device: str) -> str:
             cells = r.extra.get("cells", "")
             out.append(f"| {r.what} | {r.context} | {r.batch} | {r.kept:g} | {cells} | {r.ms:.3f} | {r.gbps:.4g} "
                        f"| {r.pct_copy:.1f}% | {vs} |")
+    cpu = [r for r in rows if r.phase == "cpu"]
+    if cpu:
+        out += ["", "## cpu: a compressed decode step's attention on vLLM's CPU backend (every layer)", "",
+                "| call | N | requests | ms | ns per cell | GB/s | vLLM's / ours | max abs diff |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        out += [f"| {r.what} | {r.context} | {r.batch} | {r.ms:.3f} | {r.extra['ns_per_cell']:.1f} | {r.gbps:.4g} "
+                f"| {_fmt(r.extra, 'vs_vllm', '.2f')} | {r.extra['max_diff']:.1e} |" for r in cpu]
     decide = [r for r in rows if r.phase == "decide"]
     if decide:
         out += ["", "## decide: the rest of a prompt-end compression, per policy", "",
@@ -627,6 +687,8 @@ def run(a: argparse.Namespace) -> int:
                 rows += bench_decode(a, n, batch, backends, measure, copy_gbps)
             if "pages" in a.phases:
                 rows += bench_pages(a, n, batch, measure, copy_gbps)
+            if "cpu" in a.phases and a.device == "cpu":
+                rows += bench_cpu(a, n, batch, measure)
             if a.device == "cuda":
                 torch.cuda.empty_cache()
     if "compact" in a.phases:
