@@ -26,9 +26,9 @@ def test_a_policies_entry_may_add_settings_next_to_the_plain_config():
 
 
 def test_configs_the_server_would_refuse_are_skipped_and_said(capsys):
-    args = argparse.Namespace(policies="pod:decode=recompress,snapkv", ratios="0.25", model=None)
+    args = argparse.Namespace(policies="pod:prefill=stream,snapkv", ratios="0.25", model=None)
     assert pages._configs(args) == [("snapkv", "snapkv", "", 0.25)]
-    assert "skip pod decode=recompress at 0.25" in capsys.readouterr().out
+    assert "skip pod prefill=stream at 0.25" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="unknown"):
         pages._configs(argparse.Namespace(policies="snapkvv:decode=recompress", ratios="0.25", model=None))
 

@@ -102,6 +102,34 @@ def test_projected_norms_are_the_plain_sum():
     torch.testing.assert_close(projected_value_norms(kv), expected, rtol=1e-12, atol=0)
 
 
+def test_a_recompression_projects_only_the_tokens_it_has_not_seen(monkeypatch):
+    """The norms of kept tokens are remembered by position (a restart keeps them): a decode
+    recompression projects its new tokens alone and scores as if it had projected them all."""
+    projected = []
+    plain = criticalkv.projected_l1_norms
+    monkeypatch.setattr(criticalkv, "projected_l1_norms", lambda v, *a: projected.append(v.shape[1]) or plain(v, *a))
+    kv = _layer(5)
+    policy = CriticalKV(budget=8, window=W, kernel=1, decode="recompress")
+    state = RequestState(prompt_len=N)
+    kept = torch.stack(policy.decide([kv], state)[0].indices)  # [H, 8]
+    gen = torch.Generator().manual_seed(6)
+    new = 4
+    grown = LayerKV(
+        torch.cat([kv.keys.gather(1, kept[..., None].expand(-1, -1, D)),
+                   torch.randn(HEADS, new, D, generator=gen, dtype=torch.float64)], 1),
+        torch.cat([kv.values.gather(1, kept[..., None].expand(-1, -1, D)),
+                   torch.randn(HEADS, new, D, generator=gen, dtype=torch.float64)], 1),
+        positions=torch.cat([kept, torch.arange(N, N + new).expand(HEADS, new)], 1), scale=0.6,
+        queries=kv.queries, query_positions=torch.arange(N + new - W, N + new), out_proj=kv.out_proj)
+    state.restart()  # prefill=block's: the norms stay
+    assert state.tokens and not state.layers
+    state.budget = 8
+    scores = policy.score(grown, state)
+    assert projected == [N, new]
+    torch.testing.assert_close(scores, CriticalKV(budget=8, window=W, kernel=1).score(grown, RequestState(budget=8)),
+                               rtol=1e-12, atol=0)
+
+
 @pytest.mark.parametrize(("values", "weight", "device", "expected"), [
     (torch.float64, torch.float64, "cpu", torch.float64),
     (torch.float32, torch.float32, "cpu", torch.float32),

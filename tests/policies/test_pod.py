@@ -146,12 +146,32 @@ def test_gate_is_decided_per_kv_head_from_its_query_group():
     state = RequestState()
     sel = POD(ratio=0.5, sink=4, window=8, tau=0.9).decide(layers, state)[0]
     assert sel.counts().tolist() == [12, 32 + (32 - 12)]  # head 0's unused budget goes to head 1
-    assert 30 in sel.indices[1].tolist() and state.budget == 52
+    assert 30 in sel.indices[1].tolist() and state.allotted == 52
     # on the engine's page grid (8-token pages) the skipping head holds its proximal tokens' pages
     # (12 -> 16) and the other the rest of the budget on the grid: 2 x 32 held, not 16 + 56
     on_pages = RequestState(page_quantum=(8, 64 % 8))
     sel = POD(ratio=0.5, sink=4, window=8, tau=0.9).decide(layers, on_pages)[0]
-    assert sel.counts().tolist() == [16, 48] and on_pages.budget == 48
+    assert sel.counts().tolist() == [16, 48] and on_pages.allotted == 48
+
+
+def test_a_decode_recompression_decides_afresh_to_the_prompts_budget():
+    """``decode=recompress``: the gates come from the newest queries and the mean returns to the
+    prompt's budget (``budget`` stays the mean; were it the largest share, 52, that would be
+    shared out again)."""
+    layers = _layers(num_layers=1)
+    kv = layers[0]
+    kv.keys.zero_()
+    kv.keys[0, 60, 0] = 20.0  # head 0 attends to a proximal key (skips), head 1 to a distant one
+    kv.keys[1, 30, 0] = 20.0
+    kv.queries.zero_()
+    kv.queries[:, :, 0] = 1.0
+    policy = POD(ratio=0.5, sink=4, window=8, tau=0.9, decode="recompress")
+    state = RequestState(prompt_len=64)
+    assert policy.decide(layers, state)[0].counts().tolist() == [12, 52]
+    assert state.budget == 32 and state.allotted == 52
+    kv.keys[0, 60, 0], kv.keys[0, 30, 0] = 0.0, 20.0  # now head 0 reads far back, head 1 near
+    kv.keys[1, 30, 0], kv.keys[1, 60, 0] = 0.0, 20.0
+    assert policy.decide(layers, state)[0].counts().tolist() == [52, 12] and state.budget == 32
 
 
 def test_unused_budget_goes_to_the_heads_that_keep_distant_tokens():

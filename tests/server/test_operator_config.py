@@ -333,7 +333,7 @@ def test_a_request_recompressing_without_an_interval_is_held_to_the_floor():
     with pytest.raises(SpecError) as err:
         cfg.resolve(spec("snapkv; decode=recompress; interval=32"))
     assert err.value.field == "interval" and err.value.allowed.startswith("an integer >= 64")
-    for name in ("full", "pod", "lagkv"):  # nothing recompresses by interval there
+    for name in ("full", "lagkv"):  # nothing recompresses by interval there
         with pytest.raises(SpecError) as err:
             spec(f"{name}; interval=64")
         assert err.value.field == "interval"

@@ -132,16 +132,17 @@ def projected_l1_norms_reference(values: torch.Tensor, weight: torch.Tensor,
     """[H_kv, N] ``mean_{q ∈ G(h)} ||v_i W_o^q||₁`` of values [H_kv, N, D] and weight
     [H_q, D, hidden] of one dtype: the product in it, block by block (``block`` elements of
     [G, rows, hidden] at a time), the norms summed in float32 (float64 for float64)."""
-    hk, n, _ = values.shape
+    hk, n, d = values.shape
     hq, _, hidden = weight.shape
     group = hq // hk
     acc = torch.float64 if values.dtype == torch.float64 else torch.float32
     rows = max(1, block // (group * hidden))
     out = torch.empty(hk, n, dtype=acc, device=values.device)
     for h in range(hk):
-        heads = weight[h * group:(h + 1) * group]  # [G, D, hidden]
+        heads = weight[h * group:(h + 1) * group].transpose(0, 1).reshape(d, group * hidden)  # [D, G·hidden]
         for start in range(0, n, rows):
-            projected = torch.einsum("nd,gdo->gno", values[h, start:start + rows], heads)
-            out[h, start:start + rows] = projected.abs().sum(dim=-1, dtype=acc).mean(dim=0)
+            projected = values[h, start:start + rows] @ heads  # [rows, G·hidden]
+            norms = projected.abs().view(-1, group, hidden).sum(dim=-1, dtype=acc)  # [rows, G]
+            out[h, start:start + rows] = norms.mean(dim=1)
     return out
 

@@ -287,6 +287,9 @@ class RequestState:
     allotted: int | None = None
     compressions: int = 0
     layers: dict[int, Any] = field(default_factory=dict)
+    #: per layer, memory of what depends on each token alone, not on any decision (criticalkv's
+    #: projected value norms): a :meth:`restart` keeps it (:meth:`token_memory`)
+    tokens: dict[int, Any] = field(default_factory=dict)
     #: (block_size, residue) of the engine's pages for the compression in progress, or None (no
     #: grid): :meth:`Policy.decide` rounds every head's kept count to ``≡ residue (mod
     #: block_size)`` (or the whole head)
@@ -296,10 +299,11 @@ class RequestState:
 
     def layer(self, index: int, kind: type[MemoryT]) -> MemoryT:
         """Layer ``index``'s memory, a ``kind()`` the first time (one kind per policy)."""
-        memory = self.layers.setdefault(index, kind())
-        if not isinstance(memory, kind):
-            raise TypeError(f"layer {index} holds {type(memory).__name__}, not {kind.__name__}")
-        return memory
+        return _memory(self.layers, index, kind)
+
+    def token_memory(self, index: int, kind: type[MemoryT]) -> MemoryT:
+        """Layer ``index``'s memory of per-token values (:attr:`tokens`), as :meth:`layer`."""
+        return _memory(self.tokens, index, kind)
 
     def memories(self, kind: type[MemoryT]) -> list[MemoryT]:
         """Every layer's memory of ``kind`` so far."""
@@ -312,7 +316,8 @@ class RequestState:
 
     def restart(self) -> None:
         """Forget every compression so far (``prefill=block``: each compression of the prompt
-        decides as the prompt-end one does); the prompt length and the ranks stay."""
+        decides as the prompt-end one does); the prompt length, the ranks and the per-token
+        memory (:attr:`tokens`) stay."""
         self.budget = self.allotted = None
         self.compressions = 0
         self.layers.clear()
@@ -325,6 +330,13 @@ class RequestState:
         if self.budget is None:
             return False
         return num_tokens - max(self.budget, self.allotted or 0) >= self.page_size
+
+
+def _memory(store: dict[int, Any], index: int, kind: type[MemoryT]) -> MemoryT:
+    memory = store.setdefault(index, kind())
+    if not isinstance(memory, kind):
+        raise TypeError(f"layer {index} holds {type(memory).__name__}, not {kind.__name__}")
+    return memory
 
 
 def budget_basis(layers: Sequence[LayerKV], state: RequestState) -> int:

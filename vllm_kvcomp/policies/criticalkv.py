@@ -50,6 +50,7 @@ from vllm_kvcomp.policies.base import (
     RequestState,
     ScorePolicy,
     Selection,
+    SlotMemory,
     budget_basis,
     protected_topk,
 )
@@ -93,8 +94,8 @@ def projection_dtype(values: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.float32
 
 
-def projected_value_norms(kv: LayerKV, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """[H_kv, N] ``mean_{q ∈ G(h)} ||v_i W_o^q||₁`` of ``kv.values`` [H_kv, N, D] with
+def projected_value_norms(kv: LayerKV, dtype: torch.dtype | None = None, start: int = 0) -> torch.Tensor:
+    """[H_kv, N - start] ``mean_{q ∈ G(h)} ||v_i W_o^q||₁`` of ``kv.values[:, start:]`` [H_kv, N, D] with
     ``kv.out_proj`` [H_q, D, hidden], on the weight's device: multiplied in ``dtype`` (default
     :func:`projection_dtype`), the L1 norms summed in float32 (float64 for float64); one fused
     Triton launch per layer on a GPU (:func:`vllm_kvcomp.kernels.projected_l1_norms`)."""
@@ -106,7 +107,35 @@ def projected_value_norms(kv: LayerKV, dtype: torch.dtype | None = None) -> torc
     if d != kv.values.shape[-1] or hq % hk:
         raise ValueError(f"output projection {tuple(weight.shape)} does not fit {hk} KV heads of dimension "
                          f"{kv.values.shape[-1]}")
-    return projected_l1_norms(kv.values, weight, dtype or projection_dtype(kv.values, weight))
+    return projected_l1_norms(kv.values[:, start:], weight, dtype or projection_dtype(kv.values, weight))
+
+
+@dataclass
+class NormMemory:
+    """One layer's projected value norms by logical position: n_i depends on token i's value
+    alone, so a recompression projects only the tokens it has not seen (a decode recompression its
+    page of generated tokens, a ``prefill=block`` chunk its own), and a restart keeps them."""
+
+    norms: SlotMemory | None = None
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None  # ([H_kv, N] norms, positions): until the commit
+
+
+def remembered_value_norms(kv: LayerKV, memory: NormMemory) -> torch.Tensor:
+    """[H_kv, N] host :func:`projected_value_norms` of ``kv``, those of remembered positions
+    looked up in ``memory``: only the slots from the first one some head has not seen are
+    projected. Pending in ``memory`` until :meth:`CriticalKV.commit_kept`."""
+    positions = kv.slot_positions().to(torch.long).cpu()
+    if memory.norms is None:
+        norms = projected_value_norms(kv).cpu()
+    else:
+        norms = memory.norms.lookup(positions, fill=float("nan"))
+        unseen = (norms.isnan() & (positions >= 0)).any(0).nonzero()
+        norms = norms.nan_to_num(0.0)
+        if len(unseen):
+            start = int(unseen[0])
+            norms[:, start:] = projected_value_norms(kv, start=start).cpu().to(norms.dtype)
+    memory.pending = (norms, positions)
+    return norms
 
 
 def critical_scores(inner: torch.Tensor, norms: torch.Tensor, first: list[torch.Tensor],
@@ -204,7 +233,8 @@ class CriticalKV(ScorePolicy):
             safeguard = sink + window  # always kept: they lead stage 1 (kvpress scores them the maximum)
         first_counts = [max(int(self.first_stage_ratio * b + 1e-9), min(safeguard, b)) for b in counts]
         first = protected_topk(inner, first_counts, lengths, sink, window)
-        return critical_scores(inner.scores, projected_value_norms(kv), first, self.epsilon), counts
+        norms = remembered_value_norms(kv, state.token_memory(kv.layer, NormMemory))
+        return critical_scores(inner.scores, norms, first, self.epsilon), counts
 
     def score(self, kv: LayerKV, state: RequestState) -> torch.Tensor:
         """[H_kv, N] what the selection ranks by: +inf on the stage-1 picks, ``(s + ε) · n`` elsewhere."""
@@ -213,6 +243,15 @@ class CriticalKV(ScorePolicy):
     def select(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
         """Layer by layer: each layer's stage 1 needs its own counts before its scores exist."""
         return [self.select_layer(kv, state) for kv in layers]
+
+    def commit_kept(self, layers: Sequence[LayerKV], state: RequestState, picks: Sequence[Selection],
+                    kept: Sequence[Selection]) -> None:
+        """Every layer's projected norms, remembered at its kept slots (one gather for all)."""
+        memories = [state.token_memory(kv.layer, NormMemory) for kv in layers]
+        norms = SlotMemory.kept_layers([m.pending[0] for m in memories], [m.pending[1] for m in memories],
+                                       [selection.indices for selection in kept])
+        for memory, remembered in zip(memories, norms):
+            memory.norms, memory.pending = remembered, None
 
     def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
         scores, counts = self._ranked(kv, state)

@@ -24,7 +24,9 @@ the gate g of eq. 4, and skip the distant part when g ≥ τ (§2.3). This modul
 use of the per-head budget B goes to the others, in equal shares moved onto the engine's page grid
 with their sum kept (:func:`share_budget`), so the request holds B per head on average, within one
 page in all (issue #28; every rank of a tensor-parallel engine sees every head's gate). Without a
-profile (``groups is None``) every layer is its own group (own scores).
+profile (``groups is None``) every layer is its own group (own scores). With ``decode=recompress``
+each decode recompression decides afresh from the newest queries, to the same mean (the policy
+carries no memory between compressions: ``budget`` stays the mean).
 """
 
 from __future__ import annotations
@@ -117,8 +119,6 @@ class POD(Policy):
     PAPER: ClassVar[str] = "paper 004"
     TEST_PARAMS: ClassVar[Mapping[str, Any]] = {"ratio": 0.5, "sink": 4, "window": 8, "observe": 8}
     PROFILE: ClassVar[str | None] = "pod"
-    #: the gated heads' unused budget is shared out once; a second pass would share it again
-    CAN_RECOMPRESS: ClassVar[bool] = False
     READS_VALUES: ClassVar[bool] = False
     PARAMS: ClassVar[dict[str, Param]] = {
         "tau": Param("tau", float, 0.9, 0.0, 1.0, help="gate threshold: drop distant tokens when g >= tau"),
@@ -194,7 +194,8 @@ class POD(Policy):
     def _keeps(self, layers: Sequence[LayerKV], skips: list[torch.Tensor], state: RequestState) -> list[list[int]]:
         """Per layer, each local KV head's kept count: a head that skips keeps its proximal tokens,
         the budget it leaves goes to the heads that do not (over every rank's heads). The request's
-        ``budget`` becomes the largest count (what a head holds at most)."""
+        ``budget`` stays the mean: a decode recompression shares it out afresh from the newest
+        gates (``allotted``, the largest count, is what the next one waits a page past)."""
         proximal = min(state.budget, int(self.sink or 0) + int(self.window or 0))
         local = torch.stack(skips)  # [L, H_local]
         gathered = state.ranks.gather(local)
@@ -204,7 +205,6 @@ class POD(Policy):
         shares = share_budget(every.flatten().tolist(), state.budget, proximal, state.page_quantum,
                               int(lengths.max()))
         shares = torch.tensor(shares).view(every.shape)
-        state.budget = int(shares.max())
         return torch.minimum(shares[:, offset : offset + local.shape[1]], lengths).tolist()
 
     def _score_layer(self, kv: LayerKV, logits: torch.Tensor, lse_distant: torch.Tensor,
