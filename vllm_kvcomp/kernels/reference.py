@@ -123,26 +123,25 @@ def decode_reference(
     return out, lse.transpose(0, 1).reshape(batch, hq)
 
 
-#: elements of one [G, rows, hidden] product block of :func:`projected_l1_norms_reference` (bounds its memory)
+#: elements of one [H_q, rows, hidden] product block of :func:`projected_l1_norms_reference` (bounds its memory)
 PROJECTED_BLOCK = 1 << 22
 
 
 def projected_l1_norms_reference(values: torch.Tensor, weight: torch.Tensor,
                                  block: int = PROJECTED_BLOCK) -> torch.Tensor:
     """[H_kv, N] ``mean_{q ∈ G(h)} ||v_i W_o^q||₁`` of values [H_kv, N, D] and weight
-    [H_q, D, hidden] of one dtype: the product in it, block by block (``block`` elements of
-    [G, rows, hidden] at a time), the norms summed in float32 (float64 for float64)."""
-    hk, n, d = values.shape
+    [H_q, D, hidden] of one dtype: the product in it, one batched product per block of rows
+    (``block`` elements of [H_q, rows, hidden] at a time), the norms summed in float32 (float64
+    for float64)."""
+    hk, n, _ = values.shape
     hq, _, hidden = weight.shape
     group = hq // hk
     acc = torch.float64 if values.dtype == torch.float64 else torch.float32
-    rows = max(1, block // (group * hidden))
+    rows = max(1, block // (hq * hidden))
     out = torch.empty(hk, n, dtype=acc, device=values.device)
-    for h in range(hk):
-        heads = weight[h * group:(h + 1) * group].transpose(0, 1).reshape(d, group * hidden)  # [D, G·hidden]
-        for start in range(0, n, rows):
-            projected = values[h, start:start + rows] @ heads  # [rows, G·hidden]
-            norms = projected.abs().view(-1, group, hidden).sum(dim=-1, dtype=acc)  # [rows, G]
-            out[h, start:start + rows] = norms.mean(dim=1)
+    for start in range(0, n, rows):
+        grouped = values[:, start:start + rows].repeat_interleave(group, dim=0)  # [H_q, rows, D]
+        projected = torch.bmm(grouped, weight)  # [H_q, rows, hidden]: every query head's W_o as it lies
+        out[:, start:start + rows] = projected.abs().sum(dim=-1, dtype=acc).view(hk, group, -1).mean(dim=1)
     return out
 
