@@ -21,23 +21,42 @@
 
 static float soft_cap(float x, float cap) { return cap > 0.0f ? cap * tanhf(x / cap) : x; }
 
+/* exp(r) - ... for |r| <= ln2 / 2: the polynomial both exps share (r a float or a v8; a scalar
+ * coefficient broadcasts over the lanes). */
+#define EXP_POLYNOMIAL(r) \
+    ((((((1.9875691500e-4f * (r) + 1.3981999507e-3f) * (r) + 8.3334519073e-3f) * (r) + 4.1665795894e-2f) * (r) \
+       + 1.6666665459e-1f) * (r) + 5.0000001201e-1f) * (r) * (r) + (r) + 1.0f)
+
 /* exp(x) for x <= 0 (Cephes' expf polynomial, relative error < 2e-7; below -87: 2^-126), in
  * plain arithmetic so that the compiler vectorizes the loops that call it. */
 INLINE float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x;
     float n = floorf(x * 1.44269504088896341f + 0.5f);
     float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    float p = EXP_POLYNOMIAL(r);
     int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
     return p * scale;
+}
+
+INLINE float dot_row(const float *x, const float *y, const int D) {
+    float dot = 0.0f;
+    for (int d = 0; d < D; d++) dot += x[d] * y[d];
+    return dot;
+}
+
+/* The log-sum-exp merge of a row's kept cells (running max m, sum l) with the compensation token
+ * (its logit, weighted by `count`; none when count is 0) and the learned sink logit: out =
+ * a * acc + b * v_hat. */
+INLINE void merge_factors(float m, float l, float token_logit, float count, float sink, float *a, float *b) {
+    float kept = l > 0.0f ? m + logf(l) : -INFINITY;
+    float token = count > 0.0f ? token_logit + logf(count) : -INFINITY;
+    float top = fmaxf(kept, fmaxf(token, sink));
+    float wk = expf(kept - top), wt = expf(token - top), ws = expf(sink - top);
+    float norm = wk + wt + ws;
+    *a = l > 0.0f ? wk / (norm * l) : 0.0f;
+    *b = wt / norm;
 }
 
 /* One query row (G heads) over its first `visible` cells. Inlined into one copy per (bs, D)
@@ -90,16 +109,9 @@ INLINE void attend_row(const float *pages, int64_t page_elems, const float *q, c
         }
     }
     for (int g = 0; g < G; g++) {
-        float kept = l[g] > 0.0f ? m[g] + logf(l[g]) : -INFINITY;
-        float token = -INFINITY, sink = sinks ? sinks[g] : -INFINITY;
-        if (count > 0.0f) {
-            float dot = 0.0f;
-            for (int d = 0; d < D; d++) dot += qs[g][d] * k_hat[d];
-            token = soft_cap(dot, cap) + logf(count);
-        }
-        float top = fmaxf(kept, fmaxf(token, sink));
-        float wk = expf(kept - top), wt = expf(token - top), ws = expf(sink - top);
-        float norm = wk + wt + ws, a = l[g] > 0.0f ? wk / (norm * l[g]) : 0.0f, b = wt / norm;
+        float a, b;
+        merge_factors(m[g], l[g], count > 0.0f ? soft_cap(dot_row(qs[g], k_hat, D), cap) : 0.0f, count,
+                      sinks ? sinks[g] : -INFINITY, &a, &b);
         for (int d = 0; d < D; d++) out[g * D + d] = a * acc[g][d] + (count > 0.0f ? b * v_hat[d] : 0.0f);
     }
 }
@@ -130,13 +142,7 @@ INLINE v8 exp8_nonpositive(v8 x) {
     x = max8(x, splat8(-87.0f));
     v8 shifted = x * 1.44269504088896341f + 12582912.0f, n = shifted - 12582912.0f;
     v8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    v8 p = splat8(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    v8 p = EXP_POLYNOMIAL(r);
     v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
     v8 scale;
     memcpy(&scale, &bits, sizeof scale);
@@ -235,16 +241,9 @@ INLINE void attend_row_vec(const float *pages, int64_t page_elems, const float *
         }
     }
     for (int g = 0; g < G; g++) {
-        float kept = l[g] > 0.0f ? m[g] + logf(l[g]) : -INFINITY;
-        float token = -INFINITY, sink = sinks ? sinks[g] : -INFINITY;
-        if (count > 0.0f) {
-            float dot = 0.0f;
-            for (int d = 0; d < D; d++) dot += qs[g][d] * k_hat[d];
-            token = dot + logf(count);
-        }
-        float top = fmaxf(kept, fmaxf(token, sink));
-        float wk = expf(kept - top), wt = expf(token - top), ws = expf(sink - top);
-        float norm = wk + wt + ws, a = l[g] > 0.0f ? wk / (norm * l[g]) : 0.0f, b = wt / norm;
+        float a, b;
+        merge_factors(m[g], l[g], count > 0.0f ? dot_row(qs[g], k_hat, D) : 0.0f, count,
+                      sinks ? sinks[g] : -INFINITY, &a, &b);
         for (int i = 0; i < D / 8; i++) {
             v8 o = acc[g][i] * a;
             if (count > 0.0f) o += load8(v_hat + 8 * i) * b;
