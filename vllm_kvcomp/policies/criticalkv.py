@@ -117,7 +117,7 @@ class NormMemory:
     page of generated tokens, a ``prefill=block`` chunk its own), and a restart keeps them."""
 
     norms: SlotMemory | None = None
-    pending: tuple[torch.Tensor, torch.Tensor] | None = None  # ([H_kv, N] norms, positions): until the commit
+    pending: torch.Tensor | None = None  # [H_kv, N] this compression's norms, until the commit
 
 
 def remembered_value_norms(kv: LayerKV, memory: NormMemory) -> torch.Tensor:
@@ -134,7 +134,7 @@ def remembered_value_norms(kv: LayerKV, memory: NormMemory) -> torch.Tensor:
         if len(unseen):
             start = int(unseen[0])
             norms[:, start:] = projected_value_norms(kv, start=start).cpu().to(norms.dtype)
-    memory.pending = (norms, positions)
+    memory.pending = norms
     return norms
 
 
@@ -248,7 +248,7 @@ class CriticalKV(ScorePolicy):
                     kept: Sequence[Selection]) -> None:
         """Every layer's projected norms, remembered at its kept slots (one gather for all)."""
         memories = [state.token_memory(kv.layer, NormMemory) for kv in layers]
-        norms = SlotMemory.kept_layers([m.pending[0] for m in memories], [m.pending[1] for m in memories],
+        norms = SlotMemory.kept_layers([m.pending for m in memories], [kv.slot_positions() for kv in layers],
                                        [selection.indices for selection in kept])
         for memory, remembered in zip(memories, norms):
             memory.norms, memory.pending = remembered, None
