@@ -66,9 +66,15 @@ def test_cpu_phase_times_the_c_kernel_next_to_vllms_over_the_same_pages(tmp_path
             "--out", str(tmp_path / "k.md"), "--json", str(rows_json)]
     assert bench_kernels.main(argv) == 0
     rows = json.loads(rows_json.read_text())["rows"]
-    assert [r["what"] for r in rows] == ["kvcomp C kernel", "vLLM CPU kernel"]
+    assert [(r["what"], r["extra"]["pages"]) for r in rows] == [
+        ("kvcomp C kernel", "block"), ("vLLM CPU kernel", "block"),
+        ("kvcomp C kernel", "scattered"), ("vLLM CPU kernel", "scattered")]
     assert all(0 < r["extra"]["max_diff"] < 1e-4 and r["extra"]["ns_per_cell"] > 0 for r in rows)  # two kernels
-    assert rows[0]["extra"]["vs_vllm"] == pytest.approx(rows[1]["ms"] / rows[0]["ms"])
-    assert "## cpu" in (tmp_path / "k.md").read_text()
+    for ours, theirs in (rows[:2], rows[2:]):
+        assert ours["extra"]["vs_vllm"] == pytest.approx(theirs["ms"] / ours["ms"])
+    table = (tmp_path / "k.md").read_text()
+    assert "## cpu" in table and "| kvcomp C kernel | scattered | 70 | 2 |" in table
     with pytest.raises(SystemExit, match="float32"):
         bench_kernels.main([*argv[:argv.index("--dtype")], "--dtype", "bfloat16", "--contexts", "70"])
+    with pytest.raises(SystemExit, match="--cpu-pages: a comma list of block, scattered"):
+        bench_kernels.main([*argv, "--cpu-pages", "random"])

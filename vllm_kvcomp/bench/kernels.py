@@ -68,6 +68,7 @@ GPU = dict(contexts="4096,16384,32768", batches="1,8,64", kv_heads=8, head_dim=1
 CPU = dict(contexts="256,512", batches="1,2", kv_heads=2, head_dim=64, layers=2, compact_context=512,
            decide_contexts="256")
 CHECK_MAX_BATCH = 8  # the pages phase checks outputs against the reference up to this batch
+EVICT_BYTES = 256 << 20  # the cpu phase writes this much between timed calls (8x a server CPU's L3)
 
 Measure = Callable[[Callable[[], object]], float]
 
@@ -103,6 +104,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decide-ratio", type=float, default=0.25, help="the policies' ratio in the decide phase")
     p.add_argument("--policies", help="decide phase: comma list of policy labels (default: every policy and variant)")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--cpu-pages", default="block,scattered",
+                   help="cpu phase: comma list of page orders, block (each sequence's pages in block order) "
+                        "and/or scattered (drawn at random from a cache four times as large)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--num-splits", type=int, help="decode key splits (default: the dispatch's heuristic)")
     p.add_argument("--iters", type=int, help="CPU only: timed runs per point (default 1)")
@@ -132,6 +136,9 @@ def _resolve_defaults(a: argparse.Namespace) -> None:
     if not 0 < a.decide_ratio < 1:
         raise SystemExit("--decide-ratio: a fraction strictly between 0 and 1")
     a.iters = a.iters or 1
+    a.cpu_pages = [x for x in a.cpu_pages.split(",") if x]
+    if not a.cpu_pages or set(a.cpu_pages) - {"block", "scattered"}:
+        raise SystemExit(f"--cpu-pages: a comma list of block, scattered (got {','.join(a.cpu_pages) or 'none'})")
     a.dtype = getattr(torch, a.dtype)
 
 
@@ -203,47 +210,64 @@ def _row(a, phase: str, what: str, n: int, batch: int, kept: float, ms: float, n
 
 
 # ---------------------------------------------------------------------------- vLLM's CPU backend
-def bench_cpu(a: argparse.Namespace, n: int, batch: int, measure: Measure) -> list[Row]:
+def bench_cpu(a: argparse.Namespace, n: int, batch: int) -> list[Row]:
     """One decode step's attention over every layer: ``batch`` requests x ``a.kv_heads`` KV heads,
-    each a virtual sequence of ``n`` cells in its own pages, by the C kernel and by vLLM's kernel."""
-    from vllm_kvcomp.engine.cache import AttentionVariant, CpuPagedCache
+    each a virtual sequence of ``n`` cells in its own pages, by the C kernel and by vLLM's kernel,
+    for each page order of ``a.cpu_pages``."""
     from vllm_kvcomp.kernels import cpu_native
+
+    if not cpu_native.covers(a.dtype, a.group, a.head_dim, a.block_size):
+        raise SystemExit("--phases cpu: kvcomp's C kernel takes float32 (--dtype float32) with at most "
+                         "32 query heads per KV head, head dims up to 256, and needs a C compiler")
+    evict = torch.zeros(EVICT_BYTES // 4)
+    return [row for order in a.cpu_pages for row in _cpu_pages(a, n, batch, order, evict)]
+
+
+def _cpu_pages(a: argparse.Namespace, n: int, batch: int, order: str, evict: torch.Tensor) -> list[Row]:
+    """The C kernel's row and vLLM's over pages in ``order``: ``block`` (in block order) or
+    ``scattered`` (drawn at random from a cache four times as large, as a serving cache's free
+    pages are). The two kernels alternate, each call after ``evict`` was written (as a model
+    step's weights evict the caches)."""
+    from vllm_kvcomp.engine.cache import AttentionVariant, CpuPagedCache
 
     bs, d, heads, seqs = a.block_size, a.head_dim, a.kv_heads, batch * a.kv_heads
     width = -(-n // bs)
-    blocks = -(-seqs * width // heads) + 1
     gen = torch.Generator().manual_seed(n + batch)
+    blocks = (-(-seqs * width // heads) + 1) * (4 if order == "scattered" else 1)
     storage = torch.randn(a.layers, blocks, heads, bs, 2 * d, generator=gen).to(a.dtype)
     cache = CpuPagedCache([storage[layer] for layer in range(a.layers)])
-    first = cache.geometry.first_page.tolist()
-    tables = [(first[layer] + torch.arange(seqs * width)).view(seqs, width).to(torch.int32)
-              for layer in range(a.layers)]  # each sequence's pages in block order, as packed pages are
-    lengths, starts = torch.full((seqs,), n, dtype=torch.int32), torch.arange(seqs + 1, dtype=torch.int32)
+    drawn = [torch.arange(seqs * width) if order == "block"
+             else torch.randperm(blocks * heads - 1, generator=gen)[:seqs * width] for _ in range(a.layers)]
+    tables = [(start + pages).view(seqs, width).to(torch.int32)
+              for start, pages in zip(cache.geometry.first_page.tolist(), drawn)]
     queries = [torch.randn(seqs, a.group, d, generator=gen).to(a.dtype) for _ in range(a.layers)]
+    lengths, starts = torch.full((seqs,), n, dtype=torch.int32), torch.arange(seqs + 1, dtype=torch.int32)
     variant = AttentionVariant(d ** -0.5)
 
-    def step(rows: int) -> Callable[[], list[torch.Tensor]]:
+    def step(native_rows: int) -> Callable[[], list[torch.Tensor]]:
         own = starts.clone()  # the cache plans its kernel once per query-row tensor: one each
 
         def call() -> list[torch.Tensor]:
-            previous, CpuPagedCache.NATIVE_ROWS = CpuPagedCache.NATIVE_ROWS, rows
+            previous, CpuPagedCache.NATIVE_ROWS = CpuPagedCache.NATIVE_ROWS, native_rows
             try:
                 return [cache.attend(q, t, lengths, own, variant, None, {}) for q, t in zip(queries, tables)]
             finally:
                 CpuPagedCache.NATIVE_ROWS = previous
         return call
 
-    ours, theirs = step(CpuPagedCache.NATIVE_ROWS), step(0)  # 0 rows: every call goes to vLLM's kernel
-    if not cpu_native.covers(a.dtype, a.group, d, bs):
-        raise SystemExit("--phases cpu: kvcomp's C kernel takes float32 (--dtype float32) with at most "
-                         "32 query heads per KV head, head dims up to 256, and needs a C compiler")
-    err = max(float((x - y).abs().max()) for x, y in zip(ours(), theirs()))
+    calls = {"kvcomp C kernel": step(CpuPagedCache.NATIVE_ROWS), "vLLM CPU kernel": step(0)}  # 0 rows: vLLM's
+    err = max(float((x - y).abs().max()) for x, y in zip(*(fn() for fn in calls.values())))
+    times: dict[str, list[float]] = {what: [] for what in calls}
+    for _ in range(a.iters):
+        for what, fn in calls.items():
+            evict.add_(1.0)
+            t0 = time.perf_counter()
+            fn()
+            times[what].append((time.perf_counter() - t0) * 1e3)
     cells = a.layers * seqs * n
-    nbytes = cells * 2 * d * a.dtype.itemsize
-    rows = []
-    for what, fn in (("kvcomp C kernel", ours), ("vLLM CPU kernel", theirs)):
-        ms = measure(fn)
-        rows.append(_row(a, "cpu", what, n, batch, 1.0, ms, nbytes, 1.0, ns_per_cell=ms * 1e6 / cells, max_diff=err))
+    rows = [_row(a, "cpu", what, n, batch, 1.0, statistics.median(ms), cells * 2 * d * a.dtype.itemsize, 1.0,
+                 ns_per_cell=statistics.median(ms) * 1e6 / cells, max_diff=err, pages=order)
+            for what, ms in times.items()]
     rows[0].extra["vs_vllm"] = rows[1].ms / rows[0].ms
     return rows
 
@@ -640,9 +664,9 @@ def markdown(rows: list[Row], copy_gbps: float, device: str) -> str:
     cpu = [r for r in rows if r.phase == "cpu"]
     if cpu:
         out += ["", "## cpu: a compressed decode step's attention on vLLM's CPU backend (every layer)", "",
-                "| call | N | requests | ms | ns per cell | GB/s | vLLM's / ours | max abs diff |",
-                "|---|---:|---:|---:|---:|---:|---:|---:|"]
-        out += [f"| {r.what} | {r.context} | {r.batch} | {r.ms:.3f} | {r.extra['ns_per_cell']:.1f} | {r.gbps:.4g} "
+                "| call | pages | N | requests | ms | ns per cell | GB/s | vLLM's / ours | max abs diff |",
+                "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        out += [f"| {r.what} | {r.extra['pages']} | {r.context} | {r.batch} | {r.ms:.3f} | {r.extra['ns_per_cell']:.1f} | {r.gbps:.4g} "
                 f"| {_fmt(r.extra, 'vs_vllm', '.2f')} | {r.extra['max_diff']:.1e} |" for r in cpu]
     decide = [r for r in rows if r.phase == "decide"]
     if decide:
@@ -690,7 +714,7 @@ def run(a: argparse.Namespace) -> int:
             if "pages" in a.phases:
                 rows += bench_pages(a, n, batch, measure, copy_gbps)
             if "cpu" in a.phases and a.device == "cpu":
-                rows += bench_cpu(a, n, batch, measure)
+                rows += bench_cpu(a, n, batch)
             if a.device == "cuda":
                 torch.cuda.empty_cache()
     if "compact" in a.phases:

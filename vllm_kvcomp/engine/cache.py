@@ -195,6 +195,7 @@ class CpuPagedCache(PagedCache):
         if self.dtype == torch.float32:  # built (or found) now, not in a request's first step
             cpu_native.library()
         self._native_plan: tuple[torch.Tensor, list[tuple[torch.Tensor, int]] | None] | None = None
+        self._zeros: torch.Tensor | None = None
 
     def value_row(self, pages: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Rows of :attr:`value_rows` holding the values of cells (``pages``, ``offsets``) (broadcast)."""
@@ -247,8 +248,7 @@ class CpuPagedCache(PagedCache):
             out = torch.empty_like(q)
             s = tables.shape[0]
             if compensation is None:
-                none = self.scratch("no_tokens", (s, self.head_dim)).zero_()
-                tokens = (none, none, none[:, 0])
+                tokens = self._no_tokens(s)
             else:
                 tokens = (compensation.keys, compensation.values, compensation.counts)
             cpu_native.merged_attention(self.pages, q, out, native, query_start, tables, lengths, *tokens,
@@ -281,6 +281,14 @@ class CpuPagedCache(PagedCache):
             self._attend_merged(out, q, tables, lengths, query_start, variant, compensation)
         return out
 
+    def _no_tokens(self, num_sequences: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys, values [S, D] and counts [S] of no compensation token (zeros the C kernel only
+        reads), made once per size."""
+        zeros = self._zeros
+        if zeros is None or zeros.shape[0] != num_sequences:
+            zeros = self._zeros = torch.zeros(num_sequences, self.head_dim, dtype=torch.float32)
+        return zeros, zeros, zeros[:, 0]
+
     #: most query rows per sequence that kvcomp's C kernel attends in place of vLLM's kernel: it
     #: reads a sequence's pages once per row, where vLLM's kernel tiles a prefill chunk's rows
     NATIVE_ROWS: ClassVar[int] = 8
@@ -305,7 +313,7 @@ class CpuPagedCache(PagedCache):
                 by_rows: dict[int, list[int]] = {}
                 for s, t in enumerate(rows):
                     by_rows.setdefault(t, []).append(s)
-                groups = [(torch.tensor(seqs), t) for t, seqs in sorted(by_rows.items())]
+                groups = [(torch.tensor(seqs, dtype=torch.int32), t) for t, seqs in sorted(by_rows.items())]
         self._native_plan = (query_start, groups)
         return groups
 
