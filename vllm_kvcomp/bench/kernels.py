@@ -265,9 +265,9 @@ def _cpu_pages(a: argparse.Namespace, n: int, batch: int, order: str, evict: tor
             fn()
             times[what].append((time.perf_counter() - t0) * 1e3)
     cells = a.layers * seqs * n
-    rows = [_row(a, "cpu", what, n, batch, 1.0, statistics.median(ms), cells * 2 * d * a.dtype.itemsize, 1.0,
-                 ns_per_cell=statistics.median(ms) * 1e6 / cells, max_diff=err, pages=order)
-            for what, ms in times.items()]
+    medians = {what: statistics.median(ms) for what, ms in times.items()}
+    rows = [_row(a, "cpu", what, n, batch, 1.0, ms, cells * 2 * d * a.dtype.itemsize, 1.0,
+                 ns_per_cell=ms * 1e6 / cells, max_diff=err, pages=order) for what, ms in medians.items()]
     rows[0].extra["vs_vllm"] = rows[1].ms / rows[0].ms
     return rows
 

@@ -4,8 +4,8 @@ a compensation token and sinks (``cpu_merged_attention.c``), for :class:`~vllm_k
 vLLM's CPU kernel returns no log-sum-exp, so a sequence that merges a RazorAttention
 compensation token (or a layer's sinks) was attended in torch: ~60 small ops per layer, 3-4x the
 kernel's own time for razor's heads. This one C function does it in one call per layer, and
-attends every compressed decode row (over 30 layers' pages read from memory it takes half the
-time of vLLM's kernel in block order and 0.8x over scattered pages, docs/kernels.md).
+attends every compressed decode row (over 30 layers' pages read from memory it takes 0.59–0.71x
+of vLLM's kernel's time in block order and 0.71–0.79x over scattered pages, docs/kernels.md).
 
 It is compiled on first use, as torch's inductor and Triton compile their CPU and launcher code:
 with the machine's C compiler (``cc``, ``-O3 -march=native -fopenmp``) into
