@@ -34,7 +34,7 @@ def test_configs_the_server_would_refuse_are_skipped_and_said(capsys):
 
 
 def test_limit_table_puts_each_config_next_to_full_at_its_kept_length():
-    args = argparse.Namespace(streams=4, decode_tokens=96, limit_repeats=1)
+    args = argparse.Namespace(streams=4, decode_tokens=96, limit_repeats=1, limit_mode="sequential")
     full = {n: pages.Held(blocks=64.0, decode_tps=tps, kept_fraction=1.0) for n, tps in ((2048, 40.0), (8000, 20.0))}
     results = {("full", n): held for n, held in full.items()}
     results[("snapkv", 0.25, 2048)] = pages.Limit(2048, pages.Held(18.0, 50.0, 0.26), 532, pages.Held(18.0, 62.5, 1.0))
@@ -52,7 +52,7 @@ def test_limit_table_puts_each_config_next_to_full_at_its_kept_length():
 def test_limit_table_gives_every_pair_and_their_median_when_it_repeats():
     """Best of 3 per side, and each pair's own ratio with their median (a drift of the machine
     between pairs cancels in each pair, not in the best of each side)."""
-    args = argparse.Namespace(streams=4, decode_tokens=96, limit_repeats=3)
+    args = argparse.Namespace(streams=4, decode_tokens=96, limit_repeats=3, limit_mode="sequential")
     results = {("full", 2048): pages.Held(64.0, 40.0, 1.0),
                ("razor", 0.5, 2048): pages.Limit(2048, pages.Held(33.0, 20.0, 0.507), 1039, pages.Held(33.0, 25.0, 1.0),
                                                  (0.95, 0.70, 0.80))}
@@ -137,3 +137,91 @@ def test_report_names_the_prompt_lengths_its_phases_ran(monkeypatch, phases, exp
                               pool_held=332)
     assert pages._report(args, [], results).splitlines()[0] == f"Model, block size 32, {expected} random prompts, " \
                                                                 "through `vllm-kvcomp serve`."
+
+
+def _stream(times, kept=None):
+    from vllm_kvcomp.bench.serving import Stream
+
+    usage = {"completion_tokens": len(times), **({} if kept is None else {"kv_compression": {"kept_fraction": kept}})}
+    return Stream(sent=0.0, token_times=list(times), usage=usage)
+
+
+def test_concurrent_pairs_time_both_sides_over_the_window_where_all_decode():
+    ours = [_stream([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 0.25), _stream([1.5, 2.5, 3.5, 4.5, 5.5, 6.5], 0.27)]
+    theirs = [_stream([2.2, 3.0, 3.2, 3.4, 3.6, 3.8, 4.0, 4.2, 7.0])]
+    start, end = pages.both_decoding(ours, theirs)
+    assert (start, end) == (3.0, 6.0)  # the latest second token, the earliest last token
+    held = pages._held_in(ours, start, end)
+    assert held.decode_tps == 6 / 3.0  # 4, 5, 6 and 3.5, 4.5, 5.5 (not 3.0 itself)
+    assert held.kept_fraction == pytest.approx(0.26)
+    theirs_held = pages._held_in(theirs, start, end)
+    assert theirs_held.decode_tps == 6 / 3.0 and theirs_held.kept_fraction == 1.0  # 3.2 ... 4.2
+    with pytest.raises(SystemExit, match="raise --decode-tokens"):
+        pages.both_decoding(ours, [_stream([7.0, 8.0, 9.0])])
+
+
+@pytest.mark.parametrize(("limit_len", "lead"), [(16, 3), (32, 2), (48, 1), (64, 0)])
+def test_a_concurrent_pair_sends_the_limit_so_that_its_shorter_prefill_ends_with_theirs(monkeypatch, limit_len, lead):
+    """4 compressed streams of 64 tokens: the limit's 4 of 16 (a quarter of their prefill) go
+    once 3 have their first token, 4 of 32 once 2 have, ...; prompts of one length at once."""
+    import asyncio
+
+    log = []
+
+    async def fake_stream(client, url, model, prompt, max_tokens, header, return_token_ids=False, on_first=None):
+        log.append(("sent", url, len(prompt), header))
+        index = sum(entry[0] == "sent" and entry[1] == url for entry in log)
+        await asyncio.sleep(0.01 * index)
+        log.append(("first token", url))
+        if on_first is not None:
+            on_first()
+        await asyncio.sleep(0.05)
+        base = 10.0 if header is None else 0.0
+        return _stream([base + t for t in (1.0, 2.0, 30.0)], None if header is None else 0.25)
+
+    monkeypatch.setattr(pages, "stream_completion", fake_stream)
+    args = argparse.Namespace(streams=4, decode_tokens=8, served_name="m")
+    compressed, limit = asyncio.run(pages._pair_at_once(("A", "B"), args, "policy=snapkv", 1, 64, limit_len))
+    sent_b = log.index(("sent", "B", limit_len, None))
+    assert log[:4] == [("sent", "A", 64, "policy=snapkv")] * 4
+    assert log[4:sent_b] == [("first token", "A")] * lead  # the limit, uncompressed, at the kept length
+    assert compressed.kept_fraction == 0.25 and limit.kept_fraction == 1.0
+    assert compressed.decode_tps == 4 / 18.0 and limit.decode_tps == 0.0  # window (12, 30]: no limit token inside
+
+
+def test_concurrent_limit_serves_on_disjoint_halves_and_swaps_the_sides_every_pair(monkeypatch, tmp_path):
+    servers, pairs = [], []
+
+    @contextlib.contextmanager
+    def fake_served(model, pool, max_seqs, max_len, log, cpus=None):
+        servers.append((log.name, list(cpus)))
+        yield f"url-{log.name}"
+
+    async def fake_pair(urls, args, header, seed, prompt_len, limit_len):
+        pairs.append((urls, header, prompt_len, limit_len))
+        return pages.Held(float("nan"), 10.0 if header else 20.0, 0.25 if header else 1.0), pages.Held(float("nan"), 40.0, 1.0)
+
+    async def fake_kept(url, args, header, seed, prompt_len):
+        return 0.25
+
+    monkeypatch.setattr(pages, "served", fake_served)
+    monkeypatch.setattr(pages, "_pair_at_once", fake_pair)
+    monkeypatch.setattr(pages, "_kept_fraction", fake_kept)
+    monkeypatch.setattr(pages.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    parser = argparse.ArgumentParser()
+    pages.add_arguments(parser)
+    args = parser.parse_args(["--phases", "limit", "--limit-mode", "concurrent", "--limit-repeats", "3",
+                              "--limit-lengths", "2048", "--logs", str(tmp_path)])
+    out = pages._phase_limit(args, [("snapkv", "snapkv", "", 0.25)])
+    assert servers == [("limit-a.log", [0, 1]), ("limit-b.log", [2, 3])]
+    a, b = "url-limit-a.log", "url-limit-b.log"
+    compressed = [p for p in pairs if p[1] is not None]
+    assert [p[0] for p in compressed] == [(a, b), (b, a), (a, b)]
+    assert all(p[2:] == (2048, 512) for p in compressed)  # the kept length from the probe's kept_fraction
+    entry = out[("snapkv", 0.25, 2048)]
+    assert entry.pairs == (0.25, 0.25, 0.25) and entry.limit_len == 512
+    assert out[("full", 2048)].decode_tps == 30.0  # both servers at once, their mean
+    monkeypatch.setattr(pages.os, "sched_getaffinity", lambda pid: {0})
+    with pytest.raises(SystemExit, match="sequential"):
+        pages._phase_limit(args, [("snapkv", "snapkv", "", 0.25)])
+    assert parser.parse_args([]).limit_mode == "sequential"

@@ -19,7 +19,8 @@ block size 32):
   long outputs: output tokens/s over the whole run, at ``--membound-ratio``.
 - ``limit``: every config at each ``--limit-lengths`` prompt length next to its physical limit, an
   uncompressed request whose prompt is as long as what the compressed one keeps (same kernel, same
-  bytes read): decode tok/s side by side.
+  bytes read): decode tok/s side by side. ``--limit-mode concurrent`` runs each pair's two sides
+  at once on two servers, each on half the cores, so that the machine's drift cancels.
 
 ::
 
@@ -32,14 +33,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
+import os
 import statistics
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from vllm_kvcomp.bench.common import model_line, module_main, write_report
 from vllm_kvcomp.bench.serving import (
     MetricsSampler,
+    Stream,
     header_for,
     kv_cache_groups,
     prompts,
@@ -57,6 +62,7 @@ def configs() -> list[tuple[str, str, str]]:
 
 
 USAGE = "vllm:kv_cache_usage_perc"
+LIMIT_MODES = ("sequential", "concurrent")
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 #: KV use from which the admit phase counts the pool as full (a compressed request being
@@ -89,6 +95,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit-repeats", type=int, default=1,
                         help="limit: pairs (compressed, its limit) per config on new prompts; each side's best "
                              "counts (a shared machine's noise is ±10%% per run)")
+    parser.add_argument("--limit-mode", choices=LIMIT_MODES, default="sequential",
+                        help="limit: sequential = each pair back to back in one server; concurrent = two servers, "
+                             "each on half the CPU cores, running each pair's two sides at once (sides swapped "
+                             "every pair) and timing both over the window where both decode, so that a drift of "
+                             "the machine's speed slows both alike")
     parser.add_argument("--policies", default=",".join(c[0] for c in configs()),
                         help="config labels to run; LABEL:SETTINGS adds header settings to one, e.g. "
                              "snapkv:decode=recompress (several: snapkv:decode=recompress;window=16)")
@@ -159,14 +170,9 @@ async def _held_one(url: str, args, header: str | None, seed: int, prompt_len: i
     async with MetricsSampler(url, (USAGE,)) as sampler:
         streams = await _streams(url, args, header, args.streams, args.decode_tokens, seed, prompt_len)
     start, end = max(s.decoding for s in streams), min(s.last for s in streams)  # all streams decode
-    tokens = sum(1 for s in streams for t in s.token_times if start < t <= end)
     usage = sampler.values(USAGE, start, end)
-    fractions = [s.usage.get("kv_compression", {}).get("kept_fraction", 1.0) for s in streams if s.usage]
-    return Held(
-        blocks=statistics.median(usage) * args.pool_held / len(streams) if usage else float("nan"),
-        decode_tps=tokens / (end - start) if end > start else float("nan"),
-        kept_fraction=statistics.mean(fractions) if fractions else float("nan"),
-    )
+    return replace(_held_in(streams, start, end),
+                   blocks=statistics.median(usage) * args.pool_held / len(streams) if usage else float("nan"))
 
 
 @dataclass
@@ -192,13 +198,28 @@ def _tps(held: Held) -> float:
     return held.decode_tps
 
 
+def _limit_pool(args, lengths: list[int]) -> int:
+    args.pool_held = (args.streams * (max(lengths) + args.decode_tokens) // 32 + 64) * kv_cache_groups(args.model)
+    return args.pool_held
+
+
+def _add_pair(best: Limit | None, n: int, compressed: Held, kept: int, limit: Held) -> Limit:
+    """``best`` (the best run of each side so far) with one more pair."""
+    pair = compressed.decode_tps / limit.decode_tps
+    if best is None:
+        return Limit(n, compressed, kept, limit, (pair,))
+    return Limit(n, max(best.compressed, compressed, key=_tps), max(best.limit_len, kept),
+                 max(best.limit, limit, key=_tps), (*best.pairs, pair))
+
+
 def _phase_limit(args, configs) -> dict:
     """Each config at each ``--limit-lengths`` prompt length, then full cache with a prompt of the
     kept length (``kept_fraction`` x length, as reported), side by side in one server; full at
-    every length too."""
+    every length too. ``--limit-mode concurrent``: :func:`_phase_limit_concurrent`."""
+    if args.limit_mode == "concurrent":
+        return _phase_limit_concurrent(args, configs)
     lengths = [int(n) for n in args.limit_lengths.split(",")]
-    pool = (args.streams * (max(lengths) + args.decode_tokens) // 32 + 64) * kv_cache_groups(args.model)
-    args.pool_held = pool
+    pool = _limit_pool(args, lengths)
     out: dict = {}
     with served(args.model, pool, 16, max(lengths) + args.decode_tokens + 64, args.logs / "limit.log") as url:
         asyncio.run(_held_one(url, args, None, seed=5, prompt_len=min(lengths)))  # warm-up
@@ -212,17 +233,127 @@ def _phase_limit(args, configs) -> dict:
                     compressed = asyncio.run(_held_one(url, args, header_for(policy, ratio, extra), seed, n))
                     kept = max(1, round(compressed.kept_fraction * n))
                     limit = asyncio.run(_held_one(url, args, None, seed + 500_000, kept))
-                    print(f"limit {label:16s} {ratio:<6g} {n:>5}: {compressed.decode_tps:.1f} tok/s vs "
-                          f"{limit.decode_tps:.1f} at {kept} tokens ({compressed.decode_tps / limit.decode_tps:.2f})",
-                          flush=True)
-                    pair = compressed.decode_tps / limit.decode_tps
-                    if best is None:
-                        best = Limit(n, compressed, kept, limit, (pair,))
-                    else:
-                        best = Limit(n, max(best.compressed, compressed, key=_tps), max(best.limit_len, kept),
-                                     max(best.limit, limit, key=_tps), (*best.pairs, pair))
+                    _print_pair(label, ratio, n, compressed, kept, limit)
+                    best = _add_pair(best, n, compressed, kept, limit)
                 out[(label, ratio, n)] = best
     return out
+
+
+def _print_pair(label: str, ratio: float, n: int, compressed: Held, kept: int, limit: Held) -> None:
+    print(f"limit {label:16s} {ratio:<6g} {n:>5}: {compressed.decode_tps:.1f} tok/s vs {limit.decode_tps:.1f} at "
+          f"{kept} tokens ({compressed.decode_tps / limit.decode_tps:.2f})", flush=True)
+
+
+def limit_cores() -> tuple[list[int], list[int]]:
+    """The CPU cores this process may use, in two halves (one per server of ``--limit-mode
+    concurrent``); SystemExit on a single core."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit(f"--limit-mode concurrent runs two servers on disjoint cores; this process has "
+                         f"{len(cpus)} core (use --limit-mode sequential)")
+    return cpus[: len(cpus) // 2], cpus[len(cpus) // 2 :]
+
+
+def _phase_limit_concurrent(args, configs) -> dict:
+    """:func:`_phase_limit` on two servers of the same settings, each on half the cores: each
+    pair's compressed side on one and its limit on the other (swapped every pair, so that neither
+    half's speed favours a side), the limit's streams sent so that both decode together, both
+    timed over the window where every stream of both decodes (:func:`_pair_at_once`). The kept
+    length comes first from one compressed request (its ``kept_fraction``); full at each length
+    runs on both servers at once (their mean)."""
+    lengths = [int(n) for n in args.limit_lengths.split(",")]
+    pool, max_len = _limit_pool(args, lengths), max(lengths) + args.decode_tokens + 64
+    halves = limit_cores()
+    out: dict = {}
+    with contextlib.ExitStack() as stack:
+        urls = tuple(stack.enter_context(served(args.model, pool, 16, max_len, args.logs / f"limit-{side}.log",
+                                                cpus=cores))
+                     for side, cores in zip("ab", halves))
+        asyncio.run(_pair_at_once(urls, args, None, 5, min(lengths), min(lengths)))  # warm-up
+        for n in lengths:
+            sides = asyncio.run(_pair_at_once(urls, args, None, 6 + n, n, n))  # at once
+            print(f"limit full {n:>5} on both servers at once: {sides[0].decode_tps:.1f} and {sides[1].decode_tps:.1f} "
+                  f"tok/s ({sides[0].decode_tps / sides[1].decode_tps:.2f})", flush=True)
+            out[("full", n)] = _mean_held(list(sides))
+        for i, (label, policy, extra, ratio) in enumerate(configs):
+            header = header_for(policy, ratio, extra)
+            for n in lengths:
+                fraction = asyncio.run(_kept_fraction(urls[0], args, header, 200_000 + 1000 * i + n, n))
+                kept = max(1, round(fraction * n))
+                best: Limit | None = None
+                for repeat in range(args.limit_repeats):
+                    seed = 100_000 + 1000 * i + n + 100 * repeat
+                    sides = urls if repeat % 2 == 0 else urls[::-1]
+                    compressed, limit = asyncio.run(_pair_at_once(sides, args, header, seed, n, kept))
+                    _print_pair(label, ratio, n, compressed, kept, limit)
+                    best = _add_pair(best, n, compressed, kept, limit)
+                out[(label, ratio, n)] = best
+    return out
+
+
+async def _kept_fraction(url: str, args, header: str | None, seed: int, prompt_len: int) -> float:
+    """``usage.kv_compression.kept_fraction`` of one request of ``prompt_len`` new tokens (8 output
+    tokens: the prompt-end compression runs in the step after the first token's)."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=None) as client:
+        stream = await stream_completion(client, url, args.served_name, prompts(1, prompt_len, seed)[0], 8, header)
+    return ((stream.usage or {}).get("kv_compression") or {}).get("kept_fraction", 1.0)
+
+
+async def _pair_at_once(urls: tuple[str, str], args, header: str | None, seed: int, prompt_len: int,
+                        limit_len: int) -> tuple[Held, Held]:
+    """``args.streams`` requests of ``prompt_len`` tokens with ``header`` on ``urls[0]`` and as
+    many uncompressed ones of ``limit_len`` on ``urls[1]``, sent once all but the last
+    ``streams · limit_len / prompt_len`` (rounded up) of the first have their first token: the
+    limit's prefill, that much shorter, runs next to the last of theirs, so that the two decode
+    together. Each side's decode tok/s over the window where all of them decode (blocks not
+    sampled: nan)."""
+    import httpx
+
+    lead = args.streams - math.ceil(args.streams * limit_len / prompt_len)  # first tokens before the limit starts
+    first_tokens, limit_starts = 0, asyncio.Event()
+    if lead <= 0:
+        limit_starts.set()
+
+    def on_first() -> None:
+        nonlocal first_tokens
+        first_tokens += 1
+        if first_tokens >= lead:
+            limit_starts.set()
+
+    async def limit_side(client) -> list[Stream]:
+        await limit_starts.wait()
+        return await asyncio.gather(*(stream_completion(client, urls[1], args.served_name, p, args.decode_tokens, None)
+                                      for p in prompts(args.streams, limit_len, seed + 500_000)))
+
+    async with httpx.AsyncClient(timeout=None) as client:
+        compressed = asyncio.gather(*(stream_completion(client, urls[0], args.served_name, p, args.decode_tokens,
+                                                        header, on_first=on_first)
+                                      for p in prompts(args.streams, prompt_len, seed)))
+        ours, theirs = await asyncio.gather(compressed, limit_side(client))
+    start, end = both_decoding(ours, theirs)
+    return _held_in(ours, start, end), _held_in(theirs, start, end)
+
+
+def both_decoding(*sides: Sequence[Stream]) -> tuple[float, float]:
+    """The window where every stream of every side decodes: from the latest second token
+    (:attr:`Stream.decoding`) to the earliest last token. SystemExit when they never overlap
+    (decode too short for its prefill: raise ``--decode-tokens``)."""
+    streams = [s for side in sides for s in side]
+    start, end = max(s.decoding for s in streams), min(s.last for s in streams)
+    if end <= start:
+        raise SystemExit("limit: the two sides never decoded at the same time; raise --decode-tokens")
+    return start, end
+
+
+def _held_in(streams: Sequence[Stream], start: float, end: float) -> Held:
+    """Decode tok/s of ``streams`` over ``(start, end]`` (nan when empty) and their mean
+    kept_fraction; blocks nan."""
+    tokens = sum(1 for s in streams for t in s.token_times if start < t <= end)
+    fractions = [(s.usage.get("kv_compression") or {}).get("kept_fraction", 1.0) for s in streams if s.usage]
+    return Held(blocks=float("nan"), decode_tps=tokens / (end - start) if end > start else float("nan"),
+                kept_fraction=statistics.mean(fractions) if fractions else float("nan"))
 
 
 def _phase_held(args, configs) -> dict:
@@ -372,11 +503,18 @@ def _limit_table(args, configs, limit: dict) -> list[str]:
     """Compressed decode next to its physical limit (full cache holding the kept length)."""
     repeats = args.limit_repeats > 1
     best = f", best of {args.limit_repeats} runs on new prompts per side" if repeats else ""
-    pairs = (" Pairs: each pair's ratio (compressed, then its limit, back to back) and their median, which a "
-             "drift of the machine's speed over the run does not move.") if repeats else ""
+    if args.limit_mode == "concurrent":
+        how = (" Each pair ran at once on two servers, each on half the CPU cores (sides swapped every pair), "
+               "both timed over the window where every stream of both decodes; full at the prompt length: both "
+               "servers at once, their mean.")
+        pairs = " Pairs: each pair's ratio and their median." if repeats else ""
+    else:
+        how = ""
+        pairs = (" Pairs: each pair's ratio (compressed, then its limit, back to back) and their median, which a "
+                 "drift of the machine's speed over the run does not move.") if repeats else ""
     lines = [f"Decode at the physical limit ({args.streams} streams x {args.decode_tokens} output tokens{best}): each "
              "compressed config next to full cache with a prompt as long as what it keeps (the same kernel "
-             f"reading the same bytes), and full cache at the whole length.{pairs}", "",
+             f"reading the same bytes), and full cache at the whole length.{how}{pairs}", "",
              "| policy | ratio | prompt | kept_fraction | decode tok/s | limit: full at the kept length | "
              "vs limit | " + ("pairs (median) | " if repeats else "") + "full at the prompt length | vs full |",
              "|---|---|---|---|---|---|---|" + ("---|" if repeats else "") + "---|---|"]

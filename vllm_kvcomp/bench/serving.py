@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import random
@@ -17,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,9 +88,11 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def served(model: str | None, pool_blocks: int, max_seqs: int, max_len: int, log: Path,
-           extra: list[str] | None = None, prefix_caching: bool = False, chunk: int = 2048) -> Iterator[str]:
+           extra: list[str] | None = None, prefix_caching: bool = False, chunk: int = 2048,
+           cpus: Sequence[int] | None = None) -> Iterator[str]:
     """Run ``vllm-kvcomp serve`` with a fixed KV pool and ``chunk`` tokens per step (vLLM's
-    ``--max-num-batched-tokens``: the prefill chunk); yields its base URL, stops it after."""
+    ``--max-num-batched-tokens``: the prefill chunk), on the CPU cores ``cpus`` alone if given
+    (vLLM's CPU worker then binds one thread to each); yields its base URL, stops it after."""
     port = free_port()
     cmd = [sys.executable, "-m", "vllm_kvcomp", "serve", *([model] if model else []), "--port", str(port),
            "--host", "127.0.0.1", "--block-size", "32", "--num-gpu-blocks-override", str(pool_blocks),
@@ -97,7 +100,8 @@ def served(model: str | None, pool_blocks: int, max_seqs: int, max_len: int, log
            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching", *(extra or [])]
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
+        pin = None if cpus is None else functools.partial(os.sched_setaffinity, 0, list(cpus))
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ}, preexec_fn=pin)
         url = f"http://127.0.0.1:{port}"
         try:
             _wait_healthy(url, proc, log)
@@ -130,8 +134,10 @@ def prompts(count: int, length: int, seed: int, vocab: int = 48000) -> list[list
 
 
 async def stream_completion(client, url: str, model: str, prompt: list[int], max_tokens: int,
-                            header: str | None, return_token_ids: bool = False) -> Stream:
-    """One streamed completion; raises on HTTP errors (a benchmark must not hide one)."""
+                            header: str | None, return_token_ids: bool = False,
+                            on_first: Callable[[], None] | None = None) -> Stream:
+    """One streamed completion (``on_first`` called at its first token); raises on HTTP errors
+    (a benchmark must not hide one)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}, "return_token_ids": return_token_ids}
     headers = {HEADER: header} if header else {}
@@ -145,6 +151,8 @@ async def stream_completion(client, url: str, model: str, prompt: list[int], max
             chunk = json.loads(line[len("data: "):])
             if chunk.get("choices") and chunk["choices"][0].get("text"):
                 stream.token_times.append(time.perf_counter())
+                if on_first is not None and len(stream.token_times) == 1:
+                    on_first()
             if chunk.get("choices") and chunk["choices"][0].get("token_ids"):
                 stream.token_ids.extend(chunk["choices"][0]["token_ids"])
             if isinstance(chunk.get("usage"), dict):
