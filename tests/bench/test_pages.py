@@ -171,7 +171,8 @@ def test_a_concurrent_pair_sends_the_limit_so_that_its_shorter_prefill_ends_with
     async def fake_stream(client, url, model, prompt, max_tokens, header, return_token_ids=False, on_first=None):
         log.append(("sent", url, len(prompt), header))
         index = sum(entry[0] == "sent" and entry[1] == url for entry in log)
-        await asyncio.sleep(0.01 * index)
+        for _ in range(10 * index):  # the i-th stream's first token 10 loop turns after the one before
+            await asyncio.sleep(0)
         log.append(("first token", url))
         if on_first is not None:
             on_first()

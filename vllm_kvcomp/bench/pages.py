@@ -169,7 +169,7 @@ async def _streams(url: str, args, header: str | None, count: int, tokens: int, 
 async def _held_one(url: str, args, header: str | None, seed: int, prompt_len: int | None = None) -> Held:
     async with MetricsSampler(url, (USAGE,)) as sampler:
         streams = await _streams(url, args, header, args.streams, args.decode_tokens, seed, prompt_len)
-    start, end = max(s.decoding for s in streams), min(s.last for s in streams)  # all streams decode
+    start, end = _decode_window(streams)
     usage = sampler.values(USAGE, start, end)
     return replace(_held_in(streams, start, end),
                    blocks=statistics.median(usage) * args.pool_held / len(streams) if usage else float("nan"))
@@ -298,7 +298,7 @@ async def _kept_fraction(url: str, args, header: str | None, seed: int, prompt_l
 
     async with httpx.AsyncClient(timeout=None) as client:
         stream = await stream_completion(client, url, args.served_name, prompts(1, prompt_len, seed)[0], 8, header)
-    return ((stream.usage or {}).get("kv_compression") or {}).get("kept_fraction", 1.0)
+    return _kept(stream.usage or {})
 
 
 async def _pair_at_once(urls: tuple[str, str], args, header: str | None, seed: int, prompt_len: int,
@@ -340,18 +340,28 @@ def both_decoding(*sides: Sequence[Stream]) -> tuple[float, float]:
     """The window where every stream of every side decodes: from the latest second token
     (:attr:`Stream.decoding`) to the earliest last token. SystemExit when they never overlap
     (decode too short for its prefill: raise ``--decode-tokens``)."""
-    streams = [s for side in sides for s in side]
-    start, end = max(s.decoding for s in streams), min(s.last for s in streams)
+    start, end = _decode_window([s for side in sides for s in side])
     if end <= start:
         raise SystemExit("limit: the two sides never decoded at the same time; raise --decode-tokens")
     return start, end
+
+
+def _decode_window(streams: Sequence[Stream]) -> tuple[float, float]:
+    """(latest second token, earliest last token) of ``streams``: while all of them decode (empty
+    when the second is not before the first)."""
+    return max(s.decoding for s in streams), min(s.last for s in streams)
+
+
+def _kept(usage: dict) -> float:
+    """``usage.kv_compression.kept_fraction`` of one response (1.0: uncompressed)."""
+    return (usage.get("kv_compression") or {}).get("kept_fraction", 1.0)
 
 
 def _held_in(streams: Sequence[Stream], start: float, end: float) -> Held:
     """Decode tok/s of ``streams`` over ``(start, end]`` (nan when empty) and their mean
     kept_fraction; blocks nan."""
     tokens = sum(1 for s in streams for t in s.token_times if start < t <= end)
-    fractions = [(s.usage.get("kv_compression") or {}).get("kept_fraction", 1.0) for s in streams if s.usage]
+    fractions = [_kept(s.usage) for s in streams if s.usage]
     return Held(blocks=float("nan"), decode_tps=tokens / (end - start) if end > start else float("nan"),
                 kept_fraction=statistics.mean(fractions) if fractions else float("nan"))
 
