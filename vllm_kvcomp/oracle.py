@@ -45,6 +45,14 @@ request, greedy decoding. The timing, which the vLLM integration must reproduce 
    over the same cache would (causal), so the oracle forwards them one by one, and the decode
    forward count, ``S`` and the recompression check advance once per engine forward, after its
    ``c`` tokens. Forwards beyond the list confirm one token each.
+3c. **Observed attention** (a policy with ``OBSERVES_ATTENTION``: H2O). From each compression on,
+   every decode query's softmax weights over its head's kept tokens (the mean over the query
+   group) are summed per token, and a decode recompression gets them as ``LayerKV.observed``
+   (through the last observed query's position) in place of re-attending those queries, as the
+   engine's CPU kernel sums them while it attends. The first forward the engine's kernel could not
+   observe (one of several query rows: a prefill chunk, or a speculative forward that verified
+   drafts, ``decode_drafts``) stops the sums until the next compression: the window's queries
+   after them count instead. A model whose layers cap logits or have sinks observes nothing.
 
 **Context scope** (``scope=context``, C = ``policy.context_end(P)``): ``RequestState.prompt_len``
 is C, the query windows hold only queries of positions before C, and step 2 runs once, after the
@@ -116,12 +124,14 @@ class _LayerStore:
     query_positions: torch.Tensor  # [<=w] int64
     scale: float
     compensation: Compensation | None = None
+    observed: list[torch.Tensor] | None = None  # H_kv x [n_h] float32 (step 3c); None: not observed
 
     def lengths(self) -> list[int]:
         return [len(p) for p in self.positions]
 
-    def as_layer_kv(self, layer: int, num_layers: int, window: int) -> LayerKV:
-        """Right-aligned padded view (keys/values [H_kv, N, D], positions -1 where invalid)."""
+    def as_layer_kv(self, layer: int, num_layers: int, window: int, observed_through: int | None = None) -> LayerKV:
+        """Right-aligned padded view (keys/values [H_kv, N, D], positions -1 where invalid); with
+        ``observed_through``, the observed attention too (step 3c)."""
         lengths = self.lengths()
         n = max(lengths)
         ref = self.keys[0]
@@ -133,6 +143,11 @@ class _LayerStore:
             keys[h, n - length:] = self.keys[h]
             values[h, n - length:] = self.values[h]
             positions[h, n - length:] = self.positions[h].cpu()
+        seen = None
+        if observed_through is not None:
+            seen = torch.zeros(heads, n, dtype=torch.float32)
+            for h, length in enumerate(lengths):  # tokens appended after the sums stopped: 0
+                seen[h, n - length : n - length + len(self.observed[h])] = self.observed[h].cpu()
         return LayerKV(
             keys=keys,
             values=values,
@@ -143,6 +158,8 @@ class _LayerStore:
             queries=self.queries if window > 0 else None,
             query_positions=self.query_positions.cpu() if window > 0 else None,
             scale=self.scale,
+            observed=seen,
+            observed_through=-1 if observed_through is None else observed_through,
         )
 
     def keep(self, selection: Selection, num_slots: int) -> int:
@@ -185,6 +202,16 @@ class _Session:
         self.window_limit: int | None = None  # scope=context: queries of positions before it only
         self.new_positions = torch.zeros(0, dtype=torch.long)  # [T] of the running forward
         self.out_proj: dict[int, torch.Tensor] = {}  # layer -> its o_proj weight [hidden, H_q * D]
+        self.observes = False  # the policy reads observed attention (step 3c) and every layer is plain
+        self.observing = False  # the sums take each query (until one the engine could not observe)
+        self.observed_through = -1  # the last query position summed
+
+    def observe_from_now(self, num_tokens: int) -> None:
+        """After a compression at ``num_tokens``: every compressed layer's observed sums start at zero."""
+        self.observing, self.observed_through = self.observes, num_tokens - 1
+        for i in self.compressed_layers() if self.observes else ():
+            store = self.store(i)
+            store.observed = [torch.zeros(n, dtype=torch.float32) for n in store.lengths()]
 
     def compressed_layers(self) -> list[int]:
         """The layers a policy compresses: every full-attention layer."""
@@ -226,11 +253,22 @@ class _Session:
                 scale=scale,
             )
             self.layers[layer] = store
+        if softcap or sinks is not None:  # the engine's kernel sums a plain softmax only
+            self.observes = self.observing = False
+        observe = self.observing and not sliding and store.observed is not None
+        if observe and q.shape[1] != 1:  # several query rows: the engine's kernel observes none
+            self.observing = observe = False
+        if observe:
+            self.observed_through = int(pos[-1])
         outs = []
         for h in range(heads):
             store.keys[h] = torch.cat([store.keys[h], k[h]])
             store.values[h] = torch.cat([store.values[h], v[h]])
             store.positions[h] = torch.cat([store.positions[h], pos])
+            if observe:  # the decode query's softmax over the head's tokens, its group's mean
+                logits = (q[h * group:(h + 1) * group, 0].float() @ store.keys[h].float().T) * scale  # [G, n_h]
+                grown = torch.cat([store.observed[h], torch.zeros(k.shape[1])])
+                store.observed[h] = grown + torch.softmax(logits, dim=-1).mean(0).cpu()
             qh = q[h * group:(h + 1) * group].transpose(0, 1)  # [T, G, D]
             kh = store.keys[h].unsqueeze(1).expand(-1, group, -1)  # [S, G, D]
             vh = store.values[h].unsqueeze(1).expand(-1, group, -1)
@@ -354,7 +392,8 @@ def _compress(
     """Step 2 of the module docstring on every layer; returns the compression record."""
     state.page_quantum = None if block_size is None else (block_size, num_tokens % block_size)
     layers = session.compressed_layers()
-    views = [session.store(i).as_layer_kv(i, session.num_layers, session.window) for i in layers]
+    through = session.observed_through if step > 0 and session.observes else None  # a decode recompression
+    views = [session.store(i).as_layer_kv(i, session.num_layers, session.window, through) for i in layers]
     for view in views if policy.NEEDS_OUT_PROJ else ():
         if view.layer not in session.out_proj:
             raise ValueError(f"layer {view.layer} has no output projection (o_proj), which {policy.name!r} reads")
@@ -364,6 +403,7 @@ def _compress(
         raise ValueError(f"policy {policy.name!r} returned {len(selections)} selections for {len(layers)} layers")
     state.compressions += 1
     evicted = sum(session.store(i).keep(sel, view.num_slots) for i, sel, view in zip(layers, selections, views))
+    session.observe_from_now(num_tokens)
     kept = [session.store(i).lengths() for i in layers]
     return {"step": step, "num_tokens": num_tokens, "kept": kept, "evicted": evicted}
 
@@ -380,6 +420,7 @@ def generate(
     block_size: int | None = None,
     prefill_chunk: int | Sequence[int] | None = None,
     decode_forwards: Sequence[int] | None = None,
+    decode_drafts: Sequence[int] | None = None,
 ) -> OracleResult:
     """Greedy generation with ``policy`` applied to the cache exactly as the module docstring says.
 
@@ -388,7 +429,9 @@ def generate(
     ``block_size`` rounds every head's kept count up to the engine's page grid (see step 2).
     ``prefill_chunk`` forwards the prompt in chunks of that many tokens, or ending at the given
     positions (the engine's chunk boundaries), see step 1b. ``decode_forwards`` gives how many
-    tokens each decode forward of the engine confirmed (speculative decoding), see step 3b.
+    tokens each decode forward of the engine confirmed (speculative decoding), see step 3b;
+    ``decode_drafts`` how many draft tokens each verified (a forward with drafts is not observed,
+    step 3c; default none).
     """
     if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         raise ValueError(f"load the model with oracle.load_model (attn_implementation={ATTN_IMPLEMENTATION!r})")
@@ -403,6 +446,7 @@ def generate(
     compresses = policy is not None and policy.name != "full"
     session = _Session(model.config.num_hidden_layers, policy.queries_needed() if compresses else 0)
     session.out_proj = output_projections(model)
+    session.observes = compresses and policy.OBSERVES_ATTENTION
     state = RequestState(prompt_len=policy.context_end(len(prompt_token_ids)) if compresses else len(prompt_token_ids))
     if compresses and policy.scope == "context":
         session.window_limit = state.prompt_len
@@ -416,9 +460,11 @@ def generate(
     if compresses:
         policy.start_prefill_compression(state)
         result.compressions.append(_compress(session, policy, state, 0, processed, block_size))
-    forwards = iter(decode_forwards or ())
+    forwards, drafts = iter(decode_forwards or ()), iter(decode_drafts or ())
     decode_steps = steps_since = 0
     left = next(forwards, 1)  # tokens still to come in this engine forward
+    if next(drafts, 0):
+        session.observing = False
     while len(result.token_ids) < max_new_tokens and token not in stop_token_ids:
         token, logprob = _forward(model, session, [token], processed)
         processed += 1
@@ -433,6 +479,8 @@ def generate(
         if compresses and policy.recompresses and policy.due(state, session.max_live(), steps_since):
             result.compressions.append(_compress(session, policy, state, decode_steps, processed, block_size))
             steps_since = 0
+        if next(drafts, 0):  # the next engine forward verifies drafts: its queries are not observed
+            session.observing = False
     return result
 
 

@@ -4,7 +4,8 @@ A decode step of a compressed request then attends several query tokens over its
 and the drafts the sampler rejects are rolled back: their queries leave the query windows and the
 recompression check of that step waits for the next bind, over the confirmed tokens only
 (:mod:`vllm_kvcomp.engine.lifecycle`). Every policy equals the HF oracle replaying the engine's
-forwards (``decode_forwards``: how many tokens each forward confirmed). The engine runs in a child
+forwards (``decode_forwards``: how many tokens each forward confirmed; ``decode_drafts``: how many
+drafts it verified, which H2O's observed attention misses). The engine runs in a child
 process (tests/engine/stream_engine.py); the prompts repeat a pattern so that ngram drafts come.
 """
 
@@ -72,7 +73,9 @@ def test_every_policy_equals_the_oracle_under_ngram_speculation(tiny_model_dir, 
             continue
         policy = factory.build(CompressionSpec.from_mapping({"policy": name, **SPECS[name]}))
         forwards = _forwards(result)
-        expected = generate(oracle_model, prompt, policy, MAX_TOKENS, block_size=BLOCK, decode_forwards=forwards)
+        drafts = [drafts for drafts, _ in result["decode_forwards"]]
+        expected = generate(oracle_model, prompt, policy, MAX_TOKENS, block_size=BLOCK, decode_forwards=forwards,
+                            decode_drafts=drafts)
         assert result["tokens"] == expected.token_ids, name
         worst = max(abs(a - b) for a, b in zip(result["logprobs"], expected.logprobs))
         assert worst <= 1e-4, f"{name}: logprob differs by {worst:.2e}"

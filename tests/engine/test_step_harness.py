@@ -351,3 +351,42 @@ def test_leaks_names_what_is_left(make):
     block = h.pool.get_new_blocks(1)
     assert len(h.leaks()) == 3, h.leaks()  # free count, the referenced block, the worker's entry
     h.pool.free_blocks(block)
+
+
+@pytest.mark.parametrize("paged_cache", ["cpu", "cuda"])
+def test_h2o_decode_recompressions_read_observed_attention(make, monkeypatch, paged_cache):
+    """With the CPU cache (kvcomp's C kernel attends every decode row and sums the attention H2O
+    accumulates) a decode recompression reads no page back and scores no window; with a cache
+    whose kernel observes nothing (the CUDA path) it reads the keys and scores the window."""
+    from vllm_kvcomp.engine import cache as paged
+    from vllm_kvcomp.engine.worker import KVCompWorker
+    from vllm_kvcomp.kernels import cpu_native
+    from vllm_kvcomp.policies.h2o import H2O
+
+    if paged_cache == "cpu" and cpu_native.library() is None:
+        pytest.skip("no C compiler to build the kernel")
+    reads, decodes, observed = [], [], []
+    compress = KVCompWorker._compress
+    read_pages = {cls: cls.read_pages for cls in (paged.CpuPagedCache, paged.CudaPagedCache)}
+    add_window = H2O._add_window
+
+    def tracked(self, rid, state, sched, end, decode):
+        decodes.append(decode)
+        return compress(self, rid, state, sched, end, decode)
+
+    for cls, read in read_pages.items():
+        monkeypatch.setattr(cls, "read_pages", lambda self, *a, read=read, **k: reads.append(decodes[-1]) or read(self, *a, **k))
+    monkeypatch.setattr(KVCompWorker, "_compress", tracked)
+    monkeypatch.setattr(H2O, "_add_window", staticmethod(
+        lambda kv, memory, acc: observed.append(kv.observed is not None) or add_window(kv, memory, acc)))
+    h = make(paged_cache=paged_cache)
+    h.add("a", ids(PROMPT, 5), "h2o", max_tokens=2 * BS, **spec_for("h2o"))
+    assert_clean(h)
+    assert decodes.count(True) >= 2 and decodes[0] is False
+    decode_reads = reads.count(True)
+    layers = h.worker.num_layers
+    if paged_cache == "cpu":
+        assert decode_reads == 0 and observed[:layers] == [False] * layers
+        assert all(observed[layers:]) and len(observed) == layers * len(decodes)
+    else:
+        assert decode_reads == decodes.count(True) and not any(observed)

@@ -84,3 +84,49 @@ def test_only_the_listed_sequences_are_written():
     cpu_native.merged_attention(pages, q, out, [(torch.tensor([1]), 1)], torch.tensor([0, 1, 2]), tables,
                                 torch.tensor([40, 50]), zeros, zeros, torch.zeros(2), None, bs, 0.125, 0.0)
     assert bool((out[0] == 7.0).all()) and bool(torch.isfinite(out[1]).all()) and not bool((out[1] == 7.0).any())
+
+
+@pytest.mark.parametrize("variant", ["plain", "token", "softcap-sinks"])
+@pytest.mark.parametrize(("bs", "d", "group"), SHAPES)
+def test_observed_attention_adds_each_cells_weight(bs, d, group, variant):
+    """``observe``: a sequence's row gains each cell's softmax weight among its cells alone (capped
+    logits where the layer caps; the token and the sinks take no share), the mean over the query
+    heads, added to what the row held; a sequence with address 0 and cells past a row's length
+    are left alone, and the attention itself is unchanged."""
+    gen = torch.Generator().manual_seed(bs * 7 + d * 3 + group)
+    lengths = [1, bs + 1, 3 * bs + 5, bs]
+    widths = [-(-n // bs) for n in lengths]
+    pages = torch.randn(sum(widths) + 2, 2 * bs * d, generator=gen)
+    order = torch.randperm(pages.shape[0], generator=gen)
+    tables = torch.zeros(len(lengths), max(widths), dtype=torch.int32)
+    used = 0
+    for s, w in enumerate(widths):
+        tables[s, :w] = order[used : used + w]
+        used += w
+    seqs = len(lengths)
+    q = 2 * torch.randn(seqs, group, d, generator=gen)
+    k_hat, v_hat = torch.randn(seqs, d, generator=gen), torch.randn(seqs, d, generator=gen)
+    counts = torch.tensor([4.0, 0.0, 9.0, 2.0]) if variant == "token" else torch.zeros(seqs)
+    softcap = 3.0 if variant == "softcap-sinks" else 0.0
+    sinks = torch.randn(seqs, group, generator=gen) if variant == "softcap-sinks" else None
+    scale, starts = d ** -0.5, torch.arange(seqs + 1)
+    rows = torch.rand(seqs, max(lengths) + 4, generator=gen)
+    before = rows.clone()
+    observe = torch.tensor([rows[s].data_ptr() for s in range(seqs)])
+    observe[3] = 0  # this one observes nothing
+    args = (pages, q, None, [(torch.arange(seqs), 1)], starts, tables, torch.tensor(lengths), k_hat, v_hat, counts,
+            sinks, bs, scale, softcap)
+    plain, observed = torch.empty_like(q), torch.empty_like(q)
+    cpu_native.merged_attention(*args[:2], plain, *args[3:])
+    cpu_native.merged_attention(*args[:2], observed, *args[3:], observe=observe)
+    torch.testing.assert_close(observed, plain, rtol=0, atol=0)
+    for s, n in enumerate(lengths):
+        page = pages[tables[s, : widths[s]].long()]  # [w, 2·bs·D]
+        keys = page[:, : bs * d].view(-1, d, bs).transpose(1, 2).reshape(-1, d)[:n].double()
+        logits = (q[s].double() @ keys.T) * scale
+        if softcap:
+            logits = softcap * torch.tanh(logits / softcap)
+        want = before[s].double().clone()
+        if s != 3:
+            want[:n] += torch.softmax(logits, dim=-1).mean(0)
+        torch.testing.assert_close(rows[s].double(), want, rtol=2e-5, atol=2e-6)

@@ -184,3 +184,34 @@ def test_every_layer_at_once_scores_and_remembers_as_each_layer_alone():
         assert mine.counted == theirs.counted == int(kv.query_positions.max())
         assert torch.equal(mine.acc.positions, theirs.acc.positions)
         torch.testing.assert_close(mine.acc.values, theirs.acc.values, rtol=0, atol=0)
+
+
+def test_observed_attention_stands_for_the_window_and_reads_no_keys():
+    """A decode recompression given ``observed`` (the engine's kernel summed every decode query's
+    attention) adds it in place of attending its window: the same accumulators as attending
+    those queries, with keys that are NaN (nothing read back), and its counted position moves to
+    ``observed_through`` so that a later window counts none of them again."""
+    gen = torch.Generator().manual_seed(3)
+    dim, group = 8, 3
+    policy = H2O(budget=10, window=4, interval=4)
+    keys = torch.randn(1, 24, dim, generator=gen) * 2
+    queries = torch.randn(group, 24, dim, generator=gen) * 2
+    pos = torch.arange(24)
+    state = RequestState()
+    prompt = LayerKV(keys[:, :16], None, positions=pos[:16].unsqueeze(0), queries=queries[:, 12:16],
+                     query_positions=pos[12:16])
+    idx = policy.decide([prompt], state)[0].indices[0]
+    kept_keys = torch.cat([keys[:, idx], keys[:, 16:]], 1)
+    kept_pos = torch.cat([pos[idx], pos[16:]])
+    decode = _group_attention(queries[:, 16:], pos[16:], kept_keys[0], kept_pos)  # 8 queries, the window has 4
+    window = LayerKV(kept_keys, None, positions=kept_pos.unsqueeze(0), queries=queries[:, 20:], query_positions=pos[20:])
+    observed = LayerKV(torch.full_like(kept_keys, float("nan")), None, positions=kept_pos.unsqueeze(0),
+                       queries=queries[:, 20:], query_positions=pos[20:], observed=decode.unsqueeze(0),
+                       observed_through=23)
+    carried = torch.cat([policy.score(prompt, RequestState())[0, idx], torch.zeros(8)])
+    seen = policy.score(observed, state)
+    torch.testing.assert_close(seen, (carried + decode).unsqueeze(0))
+    windowed = policy.score(window, state)  # the last 4 queries only
+    assert not torch.allclose(windowed, seen)
+    policy.decide([observed], state)
+    assert state.layer(0, H2OMemory).counted == 23

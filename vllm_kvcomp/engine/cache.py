@@ -160,15 +160,23 @@ class PagedCache(ABC):
             keys, values = self.read_cells(move.src_pages.to(self.device), move.src_offsets.to(self.device))
             self.write_cells(move.dst_pages.to(self.device), move.dst_offsets.to(self.device), keys, values)
 
+    def observes(self, group: int, query_rows: list[int]) -> bool:
+        """Whether :meth:`attend` of sequences with ``query_rows`` rows each (``group`` query heads
+        per sequence) can sum their attention (``observe``): none here."""
+        return False
+
     @abstractmethod
     def attend(self, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, query_start: torch.Tensor,
                variant: AttentionVariant, compensation: SequenceCompensation | None,
-               memo: dict[str, object] | None = None) -> torch.Tensor:
+               memo: dict[str, object] | None = None, observe: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of virtual sequences: q [T, G, D] (sequence s owns query rows
         ``query_start[s]:query_start[s + 1]``, the last tokens of its ``lengths[s]``; sequences
         ordered (request, KV head)), tables [S, W] page ids -> out [T, G, D] in q's dtype.
         ``memo``: a dict the caller shares between calls with the same lengths and query rows
-        (the layers of one step that hold as much): what depends on them alone is made once."""
+        (the layers of one step that hold as much): what depends on them alone is made once.
+        ``observe`` [S] int64, only where :meth:`observes` says so: addresses of float32 rows
+        (0 = none) to which each sequence adds its cells' softmax weights, the mean over its query
+        heads (``kernels.cpu_native.merged_attention``)."""
 
 
 class CpuPagedCache(PagedCache):
@@ -233,11 +241,19 @@ class CpuPagedCache(PagedCache):
         self.keys_t[pages, :, offsets] = keys.to(self.dtype)
         self.values[pages, offsets] = values.to(self.dtype)
 
+    def observes(self, group: int, query_rows: list[int]) -> bool:
+        """Where the C kernel attends every sequence (float32, at most :attr:`NATIVE_ROWS` rows
+        each, built), the sequences of one row: it sums their attention as it attends."""
+        return (self.dtype == torch.float32 and cpu_native.covers(torch.float32, group, self.head_dim,
+                                                                   self.geometry.block_size)
+                and bool(query_rows) and max(query_rows) <= self.NATIVE_ROWS)
+
     def attend(self, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, query_start: torch.Tensor,
                variant: AttentionVariant, compensation: SequenceCompensation | None,
-               memo: dict[str, object] | None = None) -> torch.Tensor:
+               memo: dict[str, object] | None = None, observe: torch.Tensor | None = None) -> torch.Tensor:
         """Decode rows (at most :attr:`NATIVE_ROWS` per sequence): kvcomp's C kernel attends
-        every sequence, merging compensation tokens and sinks (:mod:`~vllm_kvcomp.kernels.cpu_native`).
+        every sequence, merging compensation tokens and sinks (:mod:`~vllm_kvcomp.kernels.cpu_native`)
+        and summing the attention of the sequences ``observe`` names.
         Otherwise (a prefill chunk, or the C kernel not built) vLLM's kernel, except for the
         sequences that merge a compensation token or sinks: it returns no LSE, so they attend by
         :meth:`_attend_merged` and the kernel reads only their first T cells. Its schedule (from
@@ -253,8 +269,10 @@ class CpuPagedCache(PagedCache):
                 tokens = (compensation.keys, compensation.values, compensation.counts)
             cpu_native.merged_attention(self.pages, q, out, native, query_start, tables, lengths, *tokens,
                                         variant.sequence_sinks(s, self.geometry.num_kv_heads),
-                                        self.geometry.block_size, variant.scale, variant.softcap)
+                                        self.geometry.block_size, variant.scale, variant.softcap, observe)
             return out
+        if observe is not None:  # a bug: the worker asks observes() first
+            raise RuntimeError("attention can be observed only where the C kernel attends every sequence")
         seq_lens, starts, table = lengths.to(torch.int32), query_start.to(torch.int32), tables.to(torch.int32)
         merged = () if compensation is None else compensation.merged
         if merged:  # the kernel's rows of a merged sequence are overwritten: it reads the fewest cells it can
@@ -307,13 +325,12 @@ class CpuPagedCache(PagedCache):
         if plan is not None and plan[0] is query_start:
             return plan[1]
         groups = None
-        if self._native_covers(q):
-            rows = (query_start[1:] - query_start[:-1]).tolist()
-            if max(rows) <= self.NATIVE_ROWS:
-                by_rows: dict[int, list[int]] = {}
-                for s, t in enumerate(rows):
-                    by_rows.setdefault(t, []).append(s)
-                groups = [(torch.tensor(seqs, dtype=torch.int32), t) for t, seqs in sorted(by_rows.items())]
+        rows = (query_start[1:] - query_start[:-1]).tolist()
+        if q.dtype == torch.float32 and self.observes(q.shape[1], rows):  # the rule observes() tells the worker
+            by_rows: dict[int, list[int]] = {}
+            for s, t in enumerate(rows):
+                by_rows.setdefault(t, []).append(s)
+            groups = [(torch.tensor(seqs, dtype=torch.int32), t) for t, seqs in sorted(by_rows.items())]
         self._native_plan = (query_start, groups)
         return groups
 
@@ -443,9 +460,10 @@ class CudaPagedCache(PagedCache):
 
     def attend(self, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, query_start: torch.Tensor,
                variant: AttentionVariant, compensation: SequenceCompensation | None,
-               memo: dict[str, object] | None = None) -> torch.Tensor:
+               memo: dict[str, object] | None = None, observe: torch.Tensor | None = None) -> torch.Tensor:
         """One ``decode_attention`` launch (nothing to share between layers: ``memo`` unused): a sequence with T queries becomes T one-query
-        sequences whose lengths end at each query's causal limit."""
+        sequences whose lengths end at each query's causal limit. Nothing is observed (``observes``
+        is False: the GPU kernels return no weights; H2O scores its window there)."""
         from vllm_kvcomp import kernels
 
         sinks = variant.sequence_sinks(tables.shape[0], self.geometry.num_kv_heads)  # [S, G]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -98,6 +99,47 @@ class QueryWindow:
 
 
 @dataclass
+class ObservedAttention:
+    """The attention each cell of a request's virtual sequences received from its decode queries
+    since its last compression, as kvcomp's CPU kernel attended them (it adds each query's softmax
+    weights, the mean over a KV head's query heads): ``sums`` [L, H, capacity] float32 on the
+    cache's device, cell v of head h of layer l at ``[l, h, v]`` (virtual order, like its page
+    table), of the queries through position ``through`` (-1: none; before the first compression
+    the prompt's queries are the window's). ``active`` while the kernel observes each step: the
+    first step it cannot (one of several query rows, e.g. with draft tokens) stops it until the
+    next compression, and the window captures the queries from there on."""
+
+    sums: torch.Tensor | None = None
+    through: int = -1
+    active: bool = False
+    _addresses: torch.Tensor | None = field(default=None, repr=False)  # [L, H] int64, of the current sums
+
+    #: capacity grows in steps of this many cells (a new buffer every 256 decode steps at most)
+    GROWTH: ClassVar[int] = 256
+
+    def addresses(self, lengths: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """[L, H] int64 address of every head's row, the rows at least ``lengths`` [L, H] cells long
+        (grown, the sums carried, when they are not)."""
+        need = int(lengths.max())
+        if self.sums is None or self.sums.shape[2] < need or self.sums.shape[:2] != lengths.shape:
+            grown = torch.zeros(*lengths.shape, -(-need // self.GROWTH) * self.GROWTH, dtype=torch.float32,
+                                device=device)
+            if self.sums is not None and self.sums.shape[:2] == lengths.shape:
+                grown[..., : self.sums.shape[2]] = self.sums
+            self.sums, self._addresses = grown, None
+        if self._addresses is None:
+            rows = torch.arange(lengths.numel(), dtype=torch.int64).view(lengths.shape)
+            self._addresses = self.sums.data_ptr() + rows * self.sums.shape[2] * self.sums.element_size()
+        return self._addresses
+
+    def restart(self, end: int) -> None:
+        """After a compression at ``end`` tokens: nothing observed since, every query from now on will be."""
+        if self.sums is not None:
+            self.sums.zero_()
+        self.through, self.active = end - 1, True
+
+
+@dataclass
 class CompressedRequest:
     """Everything the worker keeps for one request with a compression spec."""
 
@@ -111,6 +153,9 @@ class CompressedRequest:
     #: (tokens, longest head over every rank) at the end of the last decode step; None after a
     #: compression (until the next decode step's end)
     live: tuple[int, int] | None = None
+    #: the decode queries' attention the kernel sums for a policy with ``OBSERVES_ATTENTION``
+    #: (None: the policy does not read it, or the engine's kernel cannot sum it)
+    observed: ObservedAttention | None = None
 
     @property
     def compressed(self) -> bool:
@@ -128,6 +173,8 @@ class CompressedRequest:
             return True
         if self.policy.prefill == "block" and self.lifecycle.phase is not Phase.DECODE:
             return True
+        if self.observed is not None and self.observed.active:  # the kernel sums what the policy reads
+            return False
         return self.policy.recompresses and self.policy.reads_cache(self.policy_state)
 
     def captures(self, end: int, drafts: int) -> bool:

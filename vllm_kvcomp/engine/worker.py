@@ -33,7 +33,7 @@ from vllm_kvcomp.engine.metadata import (
     WorkerReport,
 )
 from vllm_kvcomp.engine.pages import RequestPages
-from vllm_kvcomp.engine.state import CompressedRequest, QueryWindow
+from vllm_kvcomp.engine.state import CompressedRequest, ObservedAttention, QueryWindow
 from vllm_kvcomp.params import SpecError
 from vllm_kvcomp.policies.base import ONE_RANK, LayerKV, Ranks, RequestState, out_proj_heads
 from vllm_kvcomp.spec import CompressionSpec
@@ -78,6 +78,7 @@ class PagedBatch:
     requests: list[CompressedRequest]
     compensation: list[SequenceCompensation | None]  # per layer; None: no sequence has a token
     memos: list[dict[str, object]]  # per layer; one dict shared by the layers with equal lengths (PagedCache.attend)
+    observe: torch.Tensor | None  # [L, S] int64 rows the kernel sums attention into (0 = none); None: no sequence
 
 
 @dataclass
@@ -245,6 +246,9 @@ class KVCompWorker:
             policy = spec.build_policy()
         w, context = policy.queries_needed(), policy.context_end(r.prompt_len)
         limit = context if policy.scope == "context" else None
+        # the kernel sums attention as the layer attends: a plain softmax, what the policy scores
+        plain = all(v.softcap == 0.0 and v.sinks is None for v in self.variants)
+        observes = policy.OBSERVES_ATTENTION and plain and self.cache.observes(1, [1])
         return CompressedRequest(
             spec=spec,
             policy=policy,
@@ -252,6 +256,7 @@ class KVCompWorker:
             policy_state=RequestState(prompt_len=context, ranks=self.ranks),
             windows=[QueryWindow(w, limit) for _ in range(self.num_layers)],
             compensation=[None] * self.num_layers,
+            observed=ObservedAttention() if observes else None,
         )
 
     def tracked_rows(self, query_start_loc: torch.Tensor, slot_mapping: torch.Tensor) -> list[Row]:
@@ -281,19 +286,19 @@ class KVCompWorker:
         if not self.step or layer is None:  # another KV-cache group's layer (e.g. sliding window)
             return
         rows = self.tracked_rows(query_start_loc, slot_mapping)
+        group = query.shape[1] // self.num_kv_heads
+        if self._batch is None:  # first: it tells which requests' attention the kernel cannot observe
+            self._batch = self._paged_batch([r for r in rows if self.requests[r.req_id].compressed], group)
+        batch = self._batch
         if self._captures is None:
             self._captures = self._capture_plan(rows)
         for capture in self._captures:
             capture.windows[layer].push(query[capture.lo : capture.hi], capture.start, capture.drafts)
-        if self._batch is None:
-            self._batch = self._paged_batch([r for r in rows if self.requests[r.req_id].compressed])
-        batch = self._batch
         if batch.requests:
-            group = query.shape[1] // self.num_kv_heads
             flat_q, flat_out = query.reshape(-1, group, query.shape[2]), output.view(-1, group, output.shape[2])
             out = self.cache.attend(flat_q[batch.gather], batch.tables[layer], batch.lengths[layer],
                                     batch.query_start, self.variants[layer], batch.compensation[layer],
-                                    batch.memos[layer])
+                                    batch.memos[layer], None if batch.observe is None else batch.observe[layer])
             flat_out[batch.gather] = out.to(output.dtype)
 
     def _capture_plan(self, rows: list[Row]) -> list[Capture]:
@@ -307,8 +312,8 @@ class KVCompWorker:
                 plan.append(Capture(state.windows, row.lo, row.hi, sched.num_computed, sched.draft_tokens))
         return plan
 
-    def _paged_batch(self, rows: list[Row]) -> PagedBatch:
-        """Page tables, query layout and compensation tokens of this step's compressed rows
+    def _paged_batch(self, rows: list[Row], group: int) -> PagedBatch:
+        """Page tables, query layout, compensation tokens and observed rows of this step's compressed rows
         (built once per step, on the host, so that the layers read nothing back; the index
         tensors in the kernels' int32, so that no layer converts them). The tables are reused
         from the last step while no request's changed (:class:`TableLayout`)."""
@@ -338,8 +343,30 @@ class KVCompWorker:
             gather=contiguous or (torch.cat(gather) if gather else torch.zeros(0, dtype=torch.long)).to(device),
             requests=requests,
             compensation=self._compensation(requests, counts, all_lengths),
-            memos=[memos.setdefault(group, {}) for group in layout.groups],
+            memos=[memos.setdefault(first, {}) for first in layout.groups],
+            observe=self._observe(requests, group, counts, all_lengths, ends),
         )
+
+    def _observe(self, requests: list[CompressedRequest], group: int, query_rows: list[int],
+                 lengths: torch.Tensor, ends: list[int]) -> torch.Tensor | None:
+        """[L, S] int64: the rows each sequence's attention is summed into this step (0 = none;
+        :class:`ObservedAttention`), or None where no request observes. A request the kernel cannot
+        observe this step (not one query row, or the C kernel does not attend) is observed no more
+        until its next compression (its window captures the queries from this step on)."""
+        if not any(state.observed is not None and state.observed.active for state in requests):
+            return None
+        heads, kernel = self.num_kv_heads, self.cache.observes(group, query_rows)
+        parts = []
+        for r, (state, end) in enumerate(zip(requests, ends)):
+            observed = state.observed
+            if observed is not None and observed.active and (not kernel or query_rows[r * heads] != 1):
+                observed.active = False
+            if observed is None or not observed.active:
+                parts.append(torch.zeros(self.num_layers, heads, dtype=torch.int64))
+            else:
+                parts.append(observed.addresses(lengths[:, r * heads : (r + 1) * heads], self.cache.device))
+                observed.through = end - 1  # this step's query
+        return torch.cat(parts, dim=1)
 
     def _compensation(self, requests: list[CompressedRequest], query_rows: list[int],
                       lengths: torch.Tensor) -> list[SequenceCompensation | None]:
@@ -397,14 +424,21 @@ class KVCompWorker:
         if policy.due(state.policy_state, live, state.lifecycle.steps_since):
             self._compress(rid, state, sched, end, decode=True)
 
-    def _layer_inputs(self, state: CompressedRequest, block_ids: torch.Tensor, end: int) -> list[LayerKV]:
+    def _layer_inputs(self, state: CompressedRequest, block_ids: torch.Tensor, end: int,
+                      decode: bool) -> list[LayerKV]:
         """Every layer's live K/V, right-aligned per head as policies expect: K/V and queries on
         the cache's device (policies score there and select on the host; reading a 32K-token
         request of an 8B model back to the host cost 2.8 s on an H100, docs/results/gpu_decide.md),
-        lengths and positions on the host."""
+        lengths and positions on the host. At a decode recompression the attention of the queries
+        the kernel observed too (``LayerKV.observed``), and nothing read back when it observed
+        every one since the last compression."""
         tables, lengths = state.pages.tables(block_ids, end), state.pages.lengths(end)  # [L, H, W], [L, H]
         n = int(lengths.max())
-        reads = state.policy.reads_cache(state.policy_state)
+        observed = state.observed if decode and state.observed is not None and state.observed.through >= 0 else None
+        if observed is not None:  # its rows as long as the heads (as they are after any observed step)
+            observed.addresses(lengths, self.cache.device)
+        every = observed is not None and observed.through == end - 1
+        reads = state.policy.reads_cache(state.policy_state) and not every
         if reads:  # a head's virtual sequence is its table's pages in order: read whole pages, one gather
             # (a cell-by-cell gather of heads of unequal lengths cost ~3x as much per cell)
             full_k, full_v = self.cache.read_pages(tables.to(self.cache.device), state.policy.READS_VALUES)  # [L, H, W·bs, D]
@@ -421,8 +455,11 @@ class KVCompWorker:
                                 for x in (full_k, full_v))
             else:
                 keys, values = unread.expand(lengths.shape[1], width, self.cache.head_dim), None
+            seen = None
+            if observed is not None:  # virtual order, like the pages: right-aligned as the keys
+                seen = _right_aligned(observed.sums[layer, :, :n].unsqueeze(-1), lengths[layer], width).squeeze(-1)
             inputs.append(LayerKV(  # layers by model index
-                keys=keys, values=values,
+                keys=keys, values=values, observed=seen, observed_through=-1 if observed is None else observed.through,
                 layer=self.model_layers[layer], num_layers=self.num_model_layers, lengths=lengths[layer],
                 positions=positions, queries=queries,
                 query_positions=window.positions, scale=self.variants[layer].scale,
@@ -439,6 +476,7 @@ class KVCompWorker:
             self._report.uncompressed[rid] = f"compression failed: {err}"
             state.spec = CompressionSpec()
             state.policy = state.spec.build_policy()
+            state.observed = None
         state.lifecycle.compressed()
 
     @staticmethod
@@ -464,7 +502,7 @@ class KVCompWorker:
         copies = self._copies(state, sched)
         snapshot = copy.deepcopy(state.policy_state) if copies else None
         block_ids = torch.tensor(sched.block_ids, dtype=torch.long)
-        inputs = self._layer_inputs(state, block_ids, end)
+        inputs = self._layer_inputs(state, block_ids, end, decode)
         state.policy_state.page_quantum = (self.block_size, end % self.block_size)
         try:
             selections = [sel.cpu() for sel in state.policy.decide(inputs, state.policy_state)]
@@ -505,6 +543,8 @@ class KVCompWorker:
             if comp is not None:  # the policy folds earlier entries in if it wants
                 state.compensation[layer] = comp
         state.lifecycle.compressed()
+        if state.observed is not None:  # the policy holds what was observed, by position
+            state.observed.restart(end)
         state.policy_state.compressions += 1
         self._report.events.append(CompressionEvent(
             req_id=rid, policy=state.spec.policy, tokens_before=int(before.max()), tokens_after=int(after.max()),

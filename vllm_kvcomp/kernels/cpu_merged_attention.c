@@ -8,7 +8,12 @@
  * its T query rows are q rows row_start[s] .. + T (each [G][D], G query heads), the last T tokens:
  * row t sees cells [0, ends[s] - T + t]. counts[s] = 0: no compensation token. sinks [S][G] or NULL.
  * Only the sequences listed in seqs [C] are attended; their rows of out are overwritten.
+ * observe [S] (or NULL): addresses of float rows (0 = none); a listed sequence's row gets, added to
+ * its cell v, the softmax weight of cell v among its cells alone (soft-capped logits where the layer
+ * caps; no token, no sink), the mean over its G query heads: the attention H2O accumulates. Only
+ * sequences of one query row (T = 1) observe.
  */
+#include <stdlib.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -59,12 +64,52 @@ INLINE void merge_factors(float m, float l, float token_logit, float count, floa
     *b = wt / norm;
 }
 
+/* A row's observed attention (see observe above): each page's exponentials exp(x - top) of every
+ * head are stashed with that page's running max `top` while the row is attended, then weighed by
+ * exp(top - m) / (l G) once the row's final max m and sum l are known, and added up over the heads. */
+typedef struct {
+    float *row;   /* the sequence's observed row, NULL: nothing observed */
+    float *exps;  /* [G][pages][bs] */
+    float *tops;  /* [G][pages] */
+    int64_t pages;
+} Observed;
+
+INLINE Observed observed_start(float *row, int G, int64_t pages, int bs) {
+    Observed o = {row, NULL, NULL, pages};
+    if (row) {
+        o.exps = malloc(sizeof(float) * (size_t)G * (size_t)pages * (size_t)(bs + 1));
+        if (!o.exps) o.row = NULL; /* no memory: the caller's row stays as it was */
+        else o.tops = o.exps + (size_t)G * (size_t)pages * (size_t)bs;
+    }
+    return o;
+}
+
+INLINE void observed_page(Observed *o, int g, int64_t w, const float *exps, float top, int bs) {
+    if (!o->row) return;
+    memcpy(o->exps + ((size_t)g * o->pages + w) * bs, exps, sizeof(float) * bs);
+    o->tops[g * o->pages + w] = top;
+}
+
+INLINE void observed_finish(Observed *o, const float *m, const float *l, int G, int64_t visible, int bs) {
+    if (!o->row) return;
+    for (int g = 0; g < G; g++) {
+        for (int64_t w = 0; w < o->pages; w++) {
+            float weight = expf(o->tops[g * o->pages + w] - m[g]) / (l[g] * (float)G);
+            const float *e = o->exps + ((size_t)g * o->pages + w) * bs;
+            int n = visible - w * bs < bs ? (int)(visible - w * bs) : bs;
+            for (int j = 0; j < n; j++) o->row[w * bs + j] += e[j] * weight;
+        }
+    }
+    free(o->exps);
+}
+
 /* One query row (G heads) over its first `visible` cells. Inlined into one copy per (bs, D)
  * the dispatcher names, so that those loops have constant trip counts (a page's logits stay in
  * registers); `bs`/`D` of any other value take the generic copy. */
 INLINE void attend_row(const float *pages, int64_t page_elems, const float *q, const int32_t *table,
                        int64_t visible, const float *k_hat, const float *v_hat, float count,
-                       const float *sinks, float *out, int G, const int D, const int bs, float scale, float cap) {
+                       const float *sinks, float *out, float *seen, int G, const int D, const int bs, float scale,
+                       float cap) {
     float m[MAX_G], l[MAX_G], acc[MAX_G][MAX_D], qs[MAX_G][MAX_D], p[MAX_BS];
     for (int g = 0; g < G; g++) {
         m[g] = -INFINITY;
@@ -75,6 +120,7 @@ INLINE void attend_row(const float *pages, int64_t page_elems, const float *q, c
         }
     }
     int64_t num_pages = (visible + bs - 1) / bs;
+    Observed observed = observed_start(seen, G, num_pages, bs);
     for (int64_t w = 0; w < num_pages; w++) {
         const float *kt = pages + (int64_t)table[w] * page_elems, *v = kt + (int64_t)D * bs;
         int n = visible - w * bs < bs ? (int)(visible - w * bs) : bs;
@@ -102,12 +148,14 @@ INLINE void attend_row(const float *pages, int64_t page_elems, const float *q, c
                 sum += p[j];
             }
             l[g] += sum;
+            observed_page(&observed, g, w, p, top, bs);
             for (int j = 0; j < n; j++) {
                 const float *vrow = v + (int64_t)j * D;
                 for (int d = 0; d < D; d++) acc[g][d] += p[j] * vrow[d];
             }
         }
     }
+    observed_finish(&observed, m, l, G, visible, bs);
     for (int g = 0; g < G; g++) {
         float a, b;
         merge_factors(m[g], l[g], count > 0.0f ? soft_cap(dot_row(qs[g], k_hat, D), cap) : 0.0f, count,
@@ -189,7 +237,8 @@ INLINE void prefetch_page(const float *page, const int D, const int bs) {
 
 INLINE void attend_row_vec(const float *pages, int64_t page_elems, const float *q, const int32_t *table,
                            int64_t visible, const float *k_hat, const float *v_hat, float count,
-                           const float *sinks, float *out, int G, const int D, const int bs, float scale) {
+                           const float *sinks, float *out, float *seen, int G, const int D, const int bs,
+                           float scale) {
     const int B8 = bs / 8, JT = B8 < 4 ? B8 : 4; /* cell vectors of a tile */
     const int most = QK_VECTORS / JT < 6 ? QK_VECTORS / JT : 6, QH = G < most ? G : most; /* its query heads */
     float m[MAX_PAD], l[MAX_PAD], qs[MAX_PAD][MAX_D];
@@ -204,6 +253,7 @@ INLINE void attend_row_vec(const float *pages, int64_t page_elems, const float *
     for (int g = 0; g < G; g++)
         for (int i = 0; i < D / 8; i++) acc[g][i] = splat8(0.0f);
     int64_t num_pages = (visible + bs - 1) / bs;
+    Observed observed = observed_start(seen, G, num_pages, bs);
     for (int64_t w = 0; w < num_pages; w++) {
         const float *kt = pages + (int64_t)table[w] * page_elems, *v = kt + (int64_t)D * bs;
         int n = visible - w * bs < bs ? (int)(visible - w * bs) : bs;
@@ -236,6 +286,7 @@ INLINE void attend_row_vec(const float *pages, int64_t page_elems, const float *
             v8 sum8 = load8(row);
             for (int i = 1; i < B8; i++) sum8 += load8(row + 8 * i);
             l[g] += hsum8(sum8);
+            observed_page(&observed, g, w, row, top, bs);
             for (int t = 0; t < D / 8; t += 8) { /* 64 values at a time: 8 accumulators in registers */
                 int width = D / 8 - t < 8 ? D / 8 - t : 8;
                 v8 a[8];
@@ -249,6 +300,7 @@ INLINE void attend_row_vec(const float *pages, int64_t page_elems, const float *
             }
         }
     }
+    observed_finish(&observed, m, l, G, visible, bs);
     for (int g = 0; g < G; g++) {
         float a, b;
         merge_factors(m[g], l[g], count > 0.0f ? dot_row(qs[g], k_hat, D) : 0.0f, count,
@@ -261,11 +313,12 @@ INLINE void attend_row_vec(const float *pages, int64_t page_elems, const float *
     }
 }
 
-#define ROW_ARGS pages, page_elems, q_row, row_table, visible, k_row, v_row, count, sink_row, out_row, G
+#define ROW_ARGS pages, page_elems, q_row, row_table, visible, k_row, v_row, count, sink_row, out_row, seen, G
 
 static void attend_row_any(const float *pages, int64_t page_elems, const float *q_row, const int32_t *row_table,
                            int64_t visible, const float *k_row, const float *v_row, float count,
-                           const float *sink_row, float *out_row, int G, int D, int bs, float scale, float cap) {
+                           const float *sink_row, float *out_row, float *seen, int G, int D, int bs, float scale,
+                           float cap) {
     if (cap > 0.0f || D % 8 || (bs % 32 && (bs > 24 || bs % 8))) attend_row(ROW_ARGS, D, bs, scale, cap);
     else if (bs == 16 && D == 64) attend_row_vec(ROW_ARGS, 64, 16, scale);
     else if (bs == 32 && D == 64) attend_row_vec(ROW_ARGS, 64, 32, scale);
@@ -281,7 +334,7 @@ int kvcomp_merged_attention(const float *pages, int64_t page_elems, const float 
                             const int32_t *seqs, int64_t num_seqs, int64_t T, const int32_t *row_start,
                             const int32_t *table, int64_t table_stride, const int32_t *ends,
                             const float *k_hat, const float *v_hat, const float *counts, const float *sinks,
-                            int G, int D, int bs, float scale, float cap, int threads) {
+                            const int64_t *observe, int G, int D, int bs, float scale, float cap, int threads) {
     if (G > MAX_G || D > MAX_D || bs > MAX_BS) return 1;
     int64_t tasks = num_seqs * T;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
@@ -289,7 +342,7 @@ int kvcomp_merged_attention(const float *pages, int64_t page_elems, const float 
         int64_t s = seqs[task / T], t = task % T, row = (int64_t)row_start[s] + t;
         attend_row_any(pages, page_elems, q + row * G * D, table + s * table_stride, (int64_t)ends[s] - T + t + 1,
                        k_hat + s * D, v_hat + s * D, counts[s], sinks ? sinks + s * G : NULL, out + row * G * D,
-                       G, D, bs, scale, cap);
+                       observe && T == 1 ? (float *)(uintptr_t)observe[s] : NULL, G, D, bs, scale, cap);
     }
     return 0;
 }

@@ -97,7 +97,7 @@ def library() -> ctypes.CDLL | None:
     fn = lib.kvcomp_merged_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR,
-                   _PTR, _PTR, _PTR, _PTR, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                   _PTR, _PTR, _PTR, _PTR, _PTR, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                    ctypes.c_float, ctypes.c_float, ctypes.c_int]
     return lib
 
@@ -117,13 +117,18 @@ def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def merged_attention(pages: torch.Tensor, q: torch.Tensor, out: torch.Tensor,
                      groups: Sequence[tuple[torch.Tensor, int]], query_start: torch.Tensor, tables: torch.Tensor,
                      lengths: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.Tensor, counts: torch.Tensor,
-                     sinks: torch.Tensor | None, block_size: int, scale: float, softcap: float) -> None:
+                     sinks: torch.Tensor | None, block_size: int, scale: float, softcap: float,
+                     observe: torch.Tensor | None = None) -> None:
     """Write into ``out`` [R, G, D] the rows of each group's sequences (``groups``: indices [C]
     and T, their query rows each, from ``query_start`` [S+1]): their causal attention over their
     ``tables`` [S, W] pages holding ``lengths`` [S] cells, merged with their compensation token
     (``k_hat``/``v_hat`` [S, D], ``counts`` [S], 0 = none) and ``sinks`` [S, G] (or None).
     ``pages`` [P, 2·bs·D] is the cache (per page K^T [D, bs] then V [bs, D]); pages, q and out
-    contiguous float32."""
+    contiguous float32. ``observe`` [S] int64 (or None): addresses of float32 rows of at least
+    ``lengths[s]`` cells (0 = none) to which a sequence of one query row adds the softmax weight of
+    each of its cells among its cells alone (soft-capped logits where ``softcap``; no token, no
+    sink), the mean over its G query heads: what H2O accumulates
+    (:class:`~vllm_kvcomp.engine.state.ObservedAttention`). Groups of T > 1 rows observe nothing."""
     if pages.dtype != torch.float32 or not (pages.is_contiguous() and q.is_contiguous() and out.is_contiguous()):
         raise ValueError("merged_attention takes contiguous float32 pages, q and out")
     g, d = q.shape[1], q.shape[2]
@@ -131,12 +136,14 @@ def merged_attention(pages: torch.Tensor, q: torch.Tensor, out: torch.Tensor,
     starts, table, ends = _as(query_start, i32), _as(tables, i32), _as(lengths, i32)
     k_hat, v_hat, counts = _as(k_hat, f32), _as(v_hat, f32), _as(counts, f32)
     sinks = None if sinks is None else _as(sinks, f32)
+    observe = None if observe is None else _as(observe, torch.int64)
     fn = library().kvcomp_merged_attention
     for seqs, queries in groups:
         seqs = _as(seqs, i32)
         status = fn(pages.data_ptr(), pages.shape[1], q.data_ptr(), out.data_ptr(), seqs.data_ptr(), seqs.numel(),
                     queries, starts.data_ptr(), table.data_ptr(), table.shape[1], ends.data_ptr(), k_hat.data_ptr(),
-                    v_hat.data_ptr(), counts.data_ptr(), None if sinks is None else sinks.data_ptr(), g, d,
+                    v_hat.data_ptr(), counts.data_ptr(), None if sinks is None else sinks.data_ptr(),
+                    None if observe is None else observe.data_ptr(), g, d,
                     block_size, scale, softcap, torch.get_num_threads())
         if status:
             raise ValueError(f"merged_attention: G={g}, D={d} or block size {block_size} is past its limits")

@@ -48,6 +48,13 @@ class LayerKV:
     #: W_o[:, q*D:(q+1)*D] transposed; this rank's heads under tensor parallelism), given only
     #: to a policy with ``NEEDS_OUT_PROJ`` (see :func:`out_proj_heads`)
     out_proj: torch.Tensor | None = None
+    #: [H_kv, N] float32, right-aligned like ``keys``: the attention each slot received from every
+    #: query after the last compression through position ``observed_through`` (GQA: the mean over
+    #: the query group of the sum over queries), as the engine's kernel attended them; given only
+    #: to a policy with ``OBSERVES_ATTENTION`` at a decode recompression (the window's queries
+    #: after ``observed_through``, if any, are the rest; None: the window's are all there is)
+    observed: torch.Tensor | None = None
+    observed_through: int = -1
 
     @property
     def num_kv_heads(self) -> int:
@@ -669,6 +676,10 @@ class Policy:
     #: False if the policy never reads ``LayerKV.values``: the engine then reads no values back
     #: for its compressions (``values`` None; a decode recompression reads half the bytes).
     READS_VALUES: ClassVar[bool] = True
+    #: True if a decode recompression given ``LayerKV.observed`` (the attention the decode queries
+    #: paid each slot, summed by the engine's kernel as it attended them) reads neither keys nor
+    #: window queries: the engine then reads nothing back for it (H2O).
+    OBSERVES_ATTENTION: ClassVar[bool] = False
 
     prefill: str = field(default="end", kw_only=True)
     scope: str = field(default="all", kw_only=True)

@@ -7,8 +7,15 @@ attention of the window queries not yet counted (``query_positions`` above the l
 one), then keeps the ``window`` most recent tokens plus the heaviest hitters. Recompresses
 during decode every ``interval`` steps.
 
-Deviation: the paper accumulates over *every* query; the engine captures the last
-``max(window, interval)`` queries, so prefill contributes only its last ``window`` queries.
+Every decode query counts: at a decode recompression the engine's CPU kernel hands over the
+attention each slot received from every decode query since the last compression
+(``LayerKV.observed``, summed as it attended them, :class:`~vllm_kvcomp.engine.state.ObservedAttention`),
+and nothing is read back or attended again. Where it cannot (the GPU kernels, soft-capped or sink
+layers, a speculative step with drafts) the engine gives the last ``max(window, interval)``
+queries, the fresh ones of which count: decode queries older than those are then missed.
+
+Deviation: the paper accumulates over *every* query; prefill contributes only its last ``window``
+queries.
 
 Deliberate choices (issue #17, pinned in ``tests/policies/test_h2o.py``):
 
@@ -59,6 +66,7 @@ class H2O(HeadsChoice, ScorePolicy):
     VARIANTS: ClassVar[Mapping[str, Mapping[str, Any]]] = {"adaptive": {"heads": "adaptive"}}
     PARAMS: ClassVar[dict[str, Param]] = {**HEADS_PARAMS}
     RECOMPRESSES: ClassVar[bool] = True
+    OBSERVES_ATTENTION: ClassVar[bool] = True
 
     ratio: float | None = 0.5
     budget: int | None = None
@@ -94,6 +102,9 @@ class H2O(HeadsChoice, ScorePolicy):
         pending in ``memory`` until the commit."""
         acc = acc.to(kv.keys.device)  # the accumulators are ranked where the cache is; they are kept on the host
         counted = memory.counted
+        if kv.observed is not None:  # the decode queries' attention, summed by the engine's kernel as it attended
+            acc = acc + kv.observed.to(acc.device)
+            counted = max(counted, kv.observed_through)
         query_pos = kv.window_query_positions()
         fresh = query_pos > counted
         if bool(fresh.any()):

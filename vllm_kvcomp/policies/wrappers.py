@@ -149,6 +149,7 @@ class _Wrapper(Policy):
             raise SpecError("inner", "a wrapper needs a score policy", "a ScorePolicy instance")
         self.RECOMPRESSES, self.decode = self.inner.RECOMPRESSES, self.inner.decode  # the engine asks `recompresses`
         self.READS_VALUES, self.NEEDS_OUT_PROJ = self.inner.READS_VALUES, self.inner.NEEDS_OUT_PROJ  # what it reads
+        self.OBSERVES_ATTENTION = self.inner.OBSERVES_ATTENTION
         self.check()
 
     def queries_needed(self) -> int:
