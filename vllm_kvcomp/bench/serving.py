@@ -14,6 +14,7 @@ import functools
 import json
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -120,11 +121,25 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + STARTUP_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}; see {log}")
+            raise RuntimeError(f"the server exited with {proc.returncode}{_last_error(log)}; see {log}")
         with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/health", timeout=2):
             return
         time.sleep(1)
     raise RuntimeError(f"the server did not answer /health in {STARTUP_S} s; see {log}")
+
+
+_ERROR = re.compile(r"\w+Error: |Value error, ")  # an exception's line, pydantic's reason
+
+
+def _last_error(log: Path) -> str:
+    """``: <the last error line of the server log>`` (e.g. a max model length over the model's
+    positions), or nothing when it names none."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    errors = [line.strip() for line in lines if _ERROR.search(line)]
+    return f": {errors[-1][:400]}" if errors else ""
 
 
 def prompts(count: int, length: int, seed: int, vocab: int = 48000) -> list[list[int]]:
