@@ -356,7 +356,7 @@ class KVCompWorker:
         if not any(state.observed is not None and state.observed.active for state in requests):
             return None
         heads, kernel = self.num_kv_heads, self.cache.observes(group, query_rows)
-        parts = []
+        parts, any_active = [], False
         for r, (state, end) in enumerate(zip(requests, ends)):
             observed = state.observed
             if observed is not None and observed.active and (not kernel or query_rows[r * heads] != 1):
@@ -365,8 +365,8 @@ class KVCompWorker:
                 parts.append(torch.zeros(self.num_layers, heads, dtype=torch.int64))
             else:
                 parts.append(observed.addresses(lengths[:, r * heads : (r + 1) * heads], self.cache.device))
-                observed.through = end - 1  # this step's query
-        return torch.cat(parts, dim=1)
+                observed.through, any_active = end - 1, True  # this step's query
+        return torch.cat(parts, dim=1) if any_active else None  # none: the kernel may not be the C one
 
     def _compensation(self, requests: list[CompressedRequest], query_rows: list[int],
                       lengths: torch.Tensor) -> list[SequenceCompensation | None]:
