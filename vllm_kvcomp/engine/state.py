@@ -117,16 +117,19 @@ class ObservedAttention:
     #: capacity grows in steps of this many cells (a new buffer every 256 decode steps at most)
     GROWTH: ClassVar[int] = 256
 
-    def addresses(self, lengths: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """[L, H] int64 address of every head's row, the rows at least ``lengths`` [L, H] cells long
-        (grown, the sums carried, when they are not)."""
+    def reserve(self, lengths: torch.Tensor, device: torch.device) -> None:
+        """Rows at least ``lengths`` [L, H] cells long (grown, the sums carried, when they are not)."""
         need = int(lengths.max())
-        if self.sums is None or self.sums.shape[2] < need or self.sums.shape[:2] != lengths.shape:
+        if self.sums is None or self.sums.shape[2] < need:
             grown = torch.zeros(*lengths.shape, -(-need // self.GROWTH) * self.GROWTH, dtype=torch.float32,
                                 device=device)
-            if self.sums is not None and self.sums.shape[:2] == lengths.shape:
+            if self.sums is not None:
                 grown[..., : self.sums.shape[2]] = self.sums
             self.sums, self._addresses = grown, None
+
+    def addresses(self, lengths: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """[L, H] int64 address of every head's row, the rows at least ``lengths`` [L, H] cells long."""
+        self.reserve(lengths, device)
         if self._addresses is None:
             rows = torch.arange(lengths.numel(), dtype=torch.int64).view(lengths.shape)
             self._addresses = self.sums.data_ptr() + rows * self.sums.shape[2] * self.sums.element_size()

@@ -436,7 +436,7 @@ class KVCompWorker:
         n = int(lengths.max())
         observed = state.observed if decode and state.observed is not None and state.observed.through >= 0 else None
         if observed is not None:  # its rows as long as the heads (as they are after any observed step)
-            observed.addresses(lengths, self.cache.device)
+            observed.reserve(lengths, self.cache.device)
         every = observed is not None and observed.through == end - 1
         reads = state.policy.reads_cache(state.policy_state) and not every
         if reads:  # a head's virtual sequence is its table's pages in order: read whole pages, one gather
