@@ -31,6 +31,60 @@ def test_help_exits_cleanly(name, capsys):
     assert f"vllm-kvcomp {name}" in capsys.readouterr().out
 
 
+def test_top_help_lists_every_benchmark_and_model(capsys):
+    from vllm_kvcomp.models import SOURCES
+
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    assert all(name in out for name in (*bench.BENCHMARKS, *SOURCES, *SUBCOMMANDS)), out
+    assert "engine (default)" in out and "examples:" in out
+
+
+def test_bench_help_lists_every_benchmark_with_its_output(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "--help"])
+    assert done.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    for name, (_, text) in bench.BENCHMARKS.items():
+        out = common.default_out(name)
+        where = "prints only unless --out" if out is None else str(out)
+        assert out is None or out.exists(), f"{name}'s default output {out} is not a current results file"
+        assert any(line.split()[:1] == [name] and text in line and where in line for line in lines), name
+    assert "examples (without --out a run rewrites its current file under docs/results/):" in lines
+
+
+def test_model_help_lists_every_fetchable_model(capsys):
+    from vllm_kvcomp.models import SOURCES
+
+    with pytest.raises(SystemExit) as done:
+        main(["model", "--help"])
+    assert done.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    for source in SOURCES.values():
+        assert f"  {source.name:<22} {source.summary}" in lines
+    assert "  vllm-kvcomp model fetch gemma-3-270m" in lines
+
+
+def test_serve_help_lists_the_fetchable_models_and_examples():
+    from vllm_kvcomp.models import SOURCES
+    from vllm_kvcomp.server.cli import epilog
+
+    text = epilog()
+    assert all(f"  {name:<22} {source.summary}" in text.splitlines() for name, source in SOURCES.items())
+    assert "  vllm-kvcomp serve --port 8000" in text.splitlines()
+
+
+def test_bench_select_picks_the_benchmark_and_its_arguments(capsys):
+    assert bench.select([]) == ("engine", [])
+    assert bench.select(["--skip-overhead"]) == ("engine", ["--skip-overhead"])
+    assert bench.select(["kept", "--lengths", "64"]) == ("kept", ["--lengths", "64"])
+    with pytest.raises(SystemExit) as done:
+        bench.select(["nope", "--x"])
+    assert done.value.code == 2 and "unknown benchmark 'nope'" in capsys.readouterr().err
+
+
 def test_bench_table_reports_ratios_against_full():
     from vllm_kvcomp.bench.engine import _table
 
@@ -72,7 +126,7 @@ def test_every_benchmark_runs_as_a_module_and_a_subcommand(name):
     assert bench.BENCHMARKS[name][0] == module.__name__
     assert callable(module.add_arguments) and callable(module.run) and callable(module.main)
     parser = common.build_parser(module, name, f"vllm-kvcomp bench {name}")
-    assert parser.parse_args([]).out == Path("docs/results") / f"bench_{name}.md"
+    assert parser.parse_args([]).out == common.default_out(name)
 
 
 @pytest.mark.parametrize("name", sorted(bench.BENCHMARKS))
@@ -125,17 +179,24 @@ def test_bench_defaults_to_engine(monkeypatch, argv, command):
 
 
 def test_bench_by_name_and_as_module_record_the_exact_command(monkeypatch, tmp_path):
-    seen = _record_run(monkeypatch, "kept")
+    seen = _record_run(monkeypatch, "cost")
     out = tmp_path / "k.md"
-    assert main(["bench", "kept", "--lengths", "64", "--out", str(out)]) == 0
-    from vllm_kvcomp.bench import kept
+    assert main(["bench", "cost", "--runs", "1", "--out", str(out)]) == 0
+    from vllm_kvcomp.bench import cost
 
-    assert kept.main(["--policies", "snapkv"]) == 0
+    assert cost.main(["--policies", "snapkv"]) == 0
     first, second = seen
-    assert first.command == f"vllm-kvcomp bench kept --lengths 64 --out {out}"
-    assert first.out == out and first.lengths == "64"
-    assert second.command == "python -m vllm_kvcomp.bench.kept --policies snapkv"
-    assert second.out == Path("docs/results/bench_kept.md") and second.policies == "snapkv"
+    assert first.command == f"vllm-kvcomp bench cost --runs 1 --out {out}"
+    assert first.out == out and first.runs == 1
+    assert second.command == "python -m vllm_kvcomp.bench.cost --policies snapkv"
+    assert second.out == Path("docs/results/bench_cost.md") and second.policies == "snapkv"
+
+
+def test_a_benchmark_without_one_current_file_writes_only_with_out(tmp_path, capsys):
+    assert common.write_report(None, "vllm-kvcomp bench pages", "| a |\n") is None
+    assert "not written: pass --out FILE" in capsys.readouterr().out
+    parser = common.build_parser(importlib.import_module("vllm_kvcomp.bench.pages"), "pages", "vllm-kvcomp bench pages")
+    assert parser.parse_args([]).out is None
 
 
 def test_write_report_puts_the_command_line_on_top(tmp_path, capsys):
@@ -186,3 +247,49 @@ def test_reports_name_the_model_they_measured():
     assert common.model_line(None).startswith("Bundled SmolLM2-135M (fp32")
     assert common.model_line("gemma-3-270m").startswith("gemma-3-270m (fp32")
     assert common.model_line("/models/my-llama/").startswith("my-llama (fp32")
+
+
+# ---------------------------------------------------------------------------- serve: the GPU attention backend
+# (what every GPU and flag gives, from vLLM's own selector: tests/engine/test_backend_choice.py)
+
+
+def _serve_on_cuda(monkeypatch) -> None:
+    """``vllm-kvcomp serve`` as on a CUDA machine, up to starting vLLM (which fails the test)."""
+    from vllm_kvcomp import vllm_compat
+
+    def no_server(args):
+        raise AssertionError(f"vLLM was started with {args.attention_backend=}")
+
+    monkeypatch.setattr(vllm_compat, "server_env_setup", lambda: None)
+    monkeypatch.setattr(vllm_compat, "platform_kind", lambda: "cuda")
+    monkeypatch.setattr(vllm_compat, "run_server", no_server)
+
+
+@pytest.mark.parametrize("backend", [None, "auto", "FLASH_ATTN", "triton_attn"])
+def test_serve_on_a_gpu_leaves_the_backend_to_vllm_or_the_operator(tmp_path, backend):
+    """No backend is forced (vLLM picks per GPU); one vllm-kvcomp hooks passes through."""
+    from vllm_kvcomp.server import cli
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 64)
+    parser, vllm_defaults = cli.build_parser()
+    args = parser.parse_args([str(tmp_path)] + ([] if backend is None else ["--attention-backend", backend]))
+    cli.prepare(args, vllm_defaults, on_cpu=False)
+    assert args.attention_backend == backend and args.attention_config.backend is None
+    assert args.kv_transfer_config.kv_connector == "KVCompConnector"
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--attention-backend", "FLASHINFER"], "pass --attention-backend FLASH_ATTN (TRITON_ATTN if vLLM rejects"),
+    (["--attention-backend", "flex_attention"], "pass --attention-backend FLASH_ATTN"),
+    (["-cc.pass_config.fuse_attn_quant=true"], "pass -cc.pass_config.fuse_attn_quant=false"),
+    (["--enable-dbo"], "leave it off"),
+    (["-tp", "2", "-dcp", "2"], "pass --decode-context-parallel-size 1"),
+])
+def test_serve_refuses_flags_it_cannot_compress_under_before_vllm_starts(monkeypatch, capsys, flags, named):
+    """Exit status 2 and one ``vllm-kvcomp serve: error:`` line naming the fix, before any model
+    is resolved (``org/not-fetched`` is never looked up) or vLLM started."""
+    _serve_on_cuda(monkeypatch)
+    assert main(["serve", "org/not-fetched", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("vllm-kvcomp serve: error: ") and named in err and "KVCompConnector" in err

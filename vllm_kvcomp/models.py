@@ -763,6 +763,17 @@ def generate_probe(model_dir: str | Path, prompt: str = CHAT_PROBE, *, chat: boo
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``vllm-kvcomp model list|fetch|path|verify [NAME]``."""
+    parser.epilog = "\n".join([
+        f"models (NAME; default {MODEL_NAME}):",
+        *(f"  {name:<22} {source.summary}" for name, source in SOURCES.items()),
+        "",
+        "examples:",
+        "  vllm-kvcomp model list",
+        "  vllm-kvcomp model fetch",
+        f"  vllm-kvcomp model fetch {GEMMA3_270M}",
+        f"  vllm-kvcomp model path {MODEL_NAME}",
+        "  vllm-kvcomp model verify --no-generate",
+    ])
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     listing = sub.add_parser("list", help="the fetchable models and whether each is fetched")
     fetch = sub.add_parser("fetch", help="download and convert a model (idempotent)")

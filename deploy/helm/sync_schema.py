@@ -2,7 +2,9 @@
 
 Run after changing the operator config or a policy's parameters:
     python deploy/helm/sync_schema.py
-tests/deploy checks that the chart's copy equals ``OperatorConfig.json_schema()``.
+    python3 scripts/helm_values_table.py --write    # the chart README's values table
+tests/deploy checks that the chart's copy equals ``OperatorConfig.json_schema()`` and that the
+README's table is current.
 """
 
 from __future__ import annotations

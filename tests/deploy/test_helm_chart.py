@@ -10,6 +10,8 @@ Nothing here talks to a cluster.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +125,21 @@ def test_chart_schema_embeds_the_operator_config_schema():
     schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["compression"]
     expected = OperatorConfig.json_schema() | {"description": schema.get("description")}
     assert schema == expected, "out of date: run python deploy/helm/sync_schema.py"
+
+
+def test_readme_values_table_is_current(tmp_path):
+    """The chart README's values table is the one scripts/helm_values_table.py generates (which
+    also fails on a value the schema leaves undescribed); its --check catches a stale copy."""
+    def check(readme: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, str(ROOT / "scripts" / "helm_values_table.py"), "--check",
+                               "--readme", str(readme)], capture_output=True, text=True, timeout=60)
+
+    current = check(CHART / "README.md")
+    assert current.returncode == 0, current.stderr
+    stale = tmp_path / "README.md"
+    stale.write_text((CHART / "README.md").read_text().replace("| `replicaCount` |", "| `replicas` |"))
+    refused = check(stale)
+    assert refused.returncode == 1 and "helm_values_table.py --write" in refused.stderr
 
 
 def test_helm_lint_strict_is_clean():

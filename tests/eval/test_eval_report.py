@@ -92,7 +92,7 @@ def test_plots_are_written(tmp_path: Path) -> None:
 def test_memory_plot_when_the_mean_kept_rounds_past_every_sample(tmp_path: Path) -> None:
     """The powered run's crash: ten equal kept fractions whose float mean is below each of them
     gave matplotlib a negative error bar."""
-    kept = 0.261538  # passkey64 knorm 0.25 in docs/results/power.jsonl
+    kept = 0.261538  # passkey64 knorm 0.25 in docs/results/quality/power.jsonl
     assert sum([kept] * 10) / 10 < kept  # the rounding this test is about
     records = [_record("niah", "full", 1.0, 2048, i, 1.0) for i in range(3)]
     records += [_record("niah", "lagkv", 0.25, 2048, i, float(i % 2), kept_fraction=kept) for i in range(10)]

@@ -53,7 +53,7 @@ def test_quality_column_from_results_and_kept_on_rewrite() -> None:
 
 
 def _script_policies() -> list[str]:
-    text = (ROOT / "docs" / "results" / "run_power.sh").read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "results" / "quality" / "run_power.sh").read_text(encoding="utf-8")
     parts = re.findall(r'^POLICIES\+?="([^"]*)"', text, flags=re.M)
     return [p for part in parts for p in part.lstrip(",").split(",")]
 
@@ -71,7 +71,7 @@ def test_run_power_script_runs_every_claim_and_the_lag_sweep() -> None:
     assert len(conds) == 38  # 26 (issue #17) + issue #27's six policies at both ratios
     # the script is the run that wrote power.jsonl: every policy it names has results there, and a
     # policy added since (no quality yet) says so in the docs table instead of a number
-    measured = {json.loads(line)["policy"] for line in (ROOT / "docs/results/power.jsonl").open()}
+    measured = {json.loads(line)["policy"] for line in (ROOT / "docs/results/quality/power.jsonl").open()}
     assert {c.policy for c in conds} == measured
     table = (ROOT / "docs" / "policies.md").read_text(encoding="utf-8")
     for name in set(POLICY_NAMES) - measured:

@@ -44,15 +44,65 @@ def test_budgets_are_the_arithmetic_sequence_rounded_with_mean_exactly_target(se
     assert got == sorted(got, reverse=True) and window <= got[-1] and got[0] <= length
 
 
-def test_kvpress_runs_the_sequence_over_the_whole_budget_we_over_the_selected_part():
-    """kvpress ``get_layer_budget``: min = T/beta over the whole T (window included), then
-    ``round``; the authors' code and ours: min = (T - w)/beta, plus the window in every layer."""
-    layers, target, length, window, beta = 4, 40, 200, 16, 4
-    low = target / beta
-    step = (2 * target - 2 * low) / (layers - 1)
-    kvpress = [round(2 * target - low - i * step) for i in range(layers)]
-    assert kvpress == [70, 50, 30, 10]  # the last layer cannot hold its 16-token window
-    assert pyramid_budgets(layers, target, length, window, beta) == [58, 46, 34, 22]
+def kvpress_budgets(num_layers: int, q_len: int, compression_ratio: float, window: int, beta: int) -> list[int]:
+    """Every layer's budget as kvpress 0.5.5 computes it (``PyramidKVPress.get_layer_budget`` in
+    ``kvpress/presses/pyramidkv_press.py``), the same float arithmetic, layer by layer: a sequence
+    over the whole mean budget, window included, ``round()``ed, and SnapKV's uniform budget unless
+    ``q_len ≥ max ≥ min ≥ window``."""
+    mean = q_len * (1 - compression_ratio)
+    low = mean / beta
+    high = mean * 2 - low
+    if high >= q_len - window:
+        high = q_len - window
+        low = mean * 2 - high
+    if not q_len >= high >= low >= window:
+        return [max(1, round(mean))] * num_layers
+    step = (high - low) / (num_layers - 1) if num_layers > 1 else 0.0
+    return [round(high - layer * step) for layer in range(num_layers)]
+
+
+@pytest.mark.parametrize(("layers", "length", "compression", "target", "window", "beta", "ours"), [
+    (4, 200, 0.8, 40, 16, 4, [58, 46, 34, 22]),  # kvpress's last layer would hold K/beta = 10 < 16
+    (30, 619, 0.75, 155, 64, 20, None),  # issue #70's prompt at kvpress's defaults: 7.7 < 64
+    (3, 128, 0.5625, 56, 32, 4, [74, 56, 38]),  # kvpress capped at N - w: its last layer 16 < 32
+])
+def test_kvpress_falls_back_to_snapkv_where_its_last_layer_would_hold_less_than_the_window(
+        layers, length, compression, target, window, beta, ours):
+    """kvpress keeps ``round(K)`` in every layer there; ours still builds the pyramid (mean T)."""
+    assert kvpress_budgets(layers, length, compression, window, beta) == [target] * layers
+    got = pyramid_budgets(layers, target, length, window, beta)
+    assert sum(got) == layers * target and got[0] > target > got[-1] >= window
+    assert got == ours if ours is not None else (got[0], got[-1]) == (241, 69)
+
+
+@pytest.mark.parametrize(("layers", "length", "compression", "target", "window", "beta", "kvpress", "ours"), [
+    (4, 1000, 0.625, 375, 16, 4, [656, 469, 281, 94], [644, 465, 285, 106]),  # K = 375 ≥ beta·w = 64
+    (3, 128, 0.375, 80, 16, 20, [112, 80, 48], [128, 80, 32]),  # both capped at N - w; K = 80 ≥ N/2
+])
+def test_where_kvpress_builds_a_pyramid_its_sequence_includes_the_window_ours_adds_it(
+        layers, length, compression, target, window, beta, kvpress, ours):
+    """Same mean, another shape: kvpress's last layer holds K/beta window included (uncapped), ours
+    w + (T - w)/beta."""
+    assert kvpress_budgets(layers, length, compression, window, beta) == kvpress
+    assert pyramid_budgets(layers, target, length, window, beta) == ours
+    assert sum(ours) == layers * target
+
+
+@pytest.mark.parametrize("length", [100, 619, 2048, 8192])
+@pytest.mark.parametrize("compression", [0.25, 0.5, 0.75, 0.9])
+@pytest.mark.parametrize(("window", "beta"), [(16, 4), (64, 20)])
+def test_kvpress_fallback_rule_as_the_docstring_states_it(length, compression, window, beta):
+    """Uncapped, kvpress falls back whenever K < beta·w; capped (its top at N - w), whenever
+    K < N/2 or K > N - w. Ours is a strict pyramid whenever w < T < N."""
+    mean = length * (1 - compression)
+    capped = 2 * mean - mean / beta >= length - window
+    falls_back = (mean < length / 2 or mean > length - window) if capped else mean < beta * window
+    budgets = kvpress_budgets(30, length, compression, window, beta)
+    assert (len(set(budgets)) == 1) == falls_back
+    target = math.ceil(mean)
+    ours = pyramid_budgets(30, target, length, window, beta)
+    if window < target < length:
+        assert ours[0] > ours[-1] >= window and sum(ours) == 30 * target
 
 
 @pytest.mark.parametrize("heads", ["uniform", "adaptive"])

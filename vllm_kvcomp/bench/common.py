@@ -18,9 +18,19 @@ from types import ModuleType
 RESULTS_DIR = Path("docs/results")
 
 
-def default_out(name: str) -> Path:
-    """Where benchmark ``name`` writes its table unless ``--out`` says otherwise."""
-    return RESULTS_DIR / f"bench_{name}.md"
+#: benchmarks whose runs several current files hold (one per phase or device: docs/results/README.md
+#: says which) or none: without ``--out`` they print their table and write nothing
+NO_SINGLE_FILE = {"engine", "kept", "kernels", "pages"}
+#: benchmarks whose current file is not ``bench_<name>.md``
+CURRENT = {"soak": RESULTS_DIR / "soak.md"}
+
+
+def default_out(name: str) -> Path | None:
+    """Where benchmark ``name`` writes its table unless ``--out`` says otherwise: its one current
+    file under docs/results (None where it has several or none: it then only prints)."""
+    if name in NO_SINGLE_FILE:
+        return None
+    return CURRENT.get(name, RESULTS_DIR / f"bench_{name}.md")
 
 
 def model_line(model: str | None) -> str:
@@ -38,12 +48,15 @@ def build_parser(module: ModuleType, name: str, prog: str) -> argparse.ArgumentP
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     module.add_arguments(parser)
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=default_out(name),
-        help="markdown file for the result table (default: %(default)s, relative to the cwd)",
-    )
+    out = default_out(name)
+    if out is None:
+        parser.add_argument("--out", type=Path,
+                            help="markdown file for the result table (default: print it only; docs/results/README.md "
+                                 "names the current file of each phase and device)")
+    else:
+        parser.add_argument("--out", type=Path, default=out,
+                            help="markdown file for the result table (default: %(default)s, its current file, "
+                                 "relative to the cwd)")
     return parser
 
 
@@ -71,8 +84,12 @@ def module_main(module: ModuleType, name: str, argv: list[str] | None) -> int:
     return run_benchmark(module, name, argv, ["python", "-m", f"vllm_kvcomp.bench.{name}", *argv])
 
 
-def write_report(path: Path, command: str, body: str) -> Path:
-    """Write ``body`` (markdown) under a heading holding the command line; print and return the path."""
+def write_report(path: Path | None, command: str, body: str) -> Path | None:
+    """Write ``body`` (markdown) under a heading holding the command line; print and return the
+    path (None: nothing is written)."""
+    if path is None:
+        print("not written: pass --out FILE to keep the table")
+        return None
     path.parent.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     path.write_text(f"# `{command}`\n\nWritten {stamp}.\n\n{body.rstrip()}\n")

@@ -29,11 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vllm_kvcomp.calibration.profiles import load_for_policy
-    from vllm_kvcomp.models import default_model_dir
+    from vllm_kvcomp.models import fetch_default_model
     from vllm_kvcomp.oracle import generate, load_model
     from vllm_kvcomp.spec import CompressionSpec
 
-    model_dir = args.model or str(default_model_dir())
+    model_dir = args.model or str(fetch_default_model())
     model = load_model(model_dir)
     cfg = model.config
     cells_per_token = cfg.num_hidden_layers * cfg.num_key_value_heads

@@ -23,9 +23,17 @@ from vllm_kvcomp.calibration.profiles import (
     store_dir,
 )
 
+EXAMPLES = """\
+examples (without --model: the bundled SmolLM2, fetched on first use):
+  vllm-kvcomp calibrate --kind razor --out /tmp/profiles
+  vllm-kvcomp calibrate --kind pod --delta 0.6 --out /tmp/profiles
+  vllm-kvcomp calibrate --kind duoattention --threads 1 --out /tmp/profiles
+  vllm-kvcomp calibrate --kind razor --seed 1 --name seed1"""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     rh, lg = retrieval_heads.DEFAULTS, layer_groups.DEFAULTS
+    parser.epilog = EXAMPLES
     parser.add_argument("--model", default=None, help="HF model folder (default: the bundled SmolLM2)")
     parser.add_argument("--kind", choices=("razor", "pod", "duoattention", "all"), default="all",
                         help="which profile(s); all: every kind (duoattention trains for tens of minutes)")

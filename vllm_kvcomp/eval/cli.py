@@ -1,10 +1,6 @@
 """``vllm-kvcomp eval``: run the long-context tasks through a server under several policies.
 
-Example::
-
-    vllm-kvcomp eval --url http://localhost:8000 --model smollm2 --tasks passkey64,niah \\
-        --policies full,lagkv,snapkv,lagkv:lag=64 --ratios 0.5,0.25 --lengths 2k,4k --samples 10 \\
-        --claim-samples 20 --out results/eval.jsonl --plots results/plots
+``vllm-kvcomp eval --help`` lists the tasks and shows :data:`EXAMPLES`.
 """
 
 from __future__ import annotations
@@ -17,6 +13,14 @@ from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
+EXAMPLES = """\
+examples (against `vllm-kvcomp serve --port 8000`, which serves SmolLM2-135M-Instruct):
+  vllm-kvcomp eval --url http://localhost:8000 --model SmolLM2-135M-Instruct \\
+      --tasks passkey64,niah --policies full,lagkv,snapkv --ratios 0.25 --lengths 2k --samples 5
+  vllm-kvcomp eval --url http://localhost:8000 --model SmolLM2-135M-Instruct --scope context \\
+      --policies full,lagkv,snapkv,lagkv:lag=64 --ratios 0.5,0.25 --lengths 2k,4k --samples 10 \\
+      --out kvcomp-eval/context.jsonl --plots kvcomp-eval/plots
+  vllm-kvcomp eval --report-only --out kvcomp-eval/context.jsonl"""
 
 
 def _csv(text: str, cast: Callable[[str], T]) -> list[T]:
@@ -39,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from vllm_kvcomp.eval.tasks import TASKS
 
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = "tasks:\n" + "\n".join(f"  {t.name:<11} {t.description}" for t in TASKS.values())
+    parser.epilog = ("tasks:\n" + "\n".join(f"  {t.name:<11} {t.description}" for t in TASKS.values())
+                     + "\n\n" + EXAMPLES)
     parser.add_argument("--url", help="server URL, e.g. http://localhost:8000 (/v1 is added)")
     parser.add_argument("--model", help="served model name (the request's `model`)")
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "EMPTY"))

@@ -7,7 +7,7 @@ dataclass defaults; ``IMPLICIT_DEFAULTS`` for a default that ``None`` stands for
 JSONL (``--results``) or kept as it stands in the document.
 
     python3 -m vllm_kvcomp.eval.policy_table --write docs/policies.md \\
-        [--results docs/results/power.jsonl]
+        [--results docs/results/quality/power.jsonl]
 """
 
 from __future__ import annotations

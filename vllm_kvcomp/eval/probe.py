@@ -16,7 +16,7 @@ Per sample and per layer:
   compresses the prompt (on the server's page grid, ``--block-size``).
 
 ``python3 -m vllm_kvcomp.eval.probe --samples 10 --out probe.json``; accuracy comes from the
-server (``vllm-kvcomp eval --tasks niah``), see docs/results/niah_investigation.md.
+server (``vllm-kvcomp eval --tasks niah``), see docs/results/quality/niah_investigation.md.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ at 0.3 in the 0.25 column: its retrieval heads alone hold 0.27) says so. A cell 
 ``--samples`` per task (a run still in progress) shows how many it has, not an accuracy.
 
     python3 -m vllm_kvcomp.eval.quality_table --write README.md \\
-        [--context docs/results/context_context.jsonl] [--all docs/results/context_all.jsonl]
+        [--context docs/results/quality/context_context.jsonl] [--all docs/results/quality/context_all.jsonl]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ SCOPES = ("context", "all")
 LENGTH = 2048
 SAMPLES = 20  # per (task, cell): the issue's powered run
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_RESULTS = {scope: ROOT / "docs" / "results" / f"context_{scope}.jsonl" for scope in SCOPES}
+DEFAULT_RESULTS = {scope: ROOT / "docs" / "results" / "quality" / f"context_{scope}.jsonl" for scope in SCOPES}
 
 
 def column_of(ratio: float) -> float | None:

@@ -16,14 +16,21 @@ rounded by largest remainder (ties to the lower layer) so the budgets sum to exa
 ``ratio`` stays the mean fraction kept. In the engine they are then moved onto its page grid
 (:func:`~vllm_kvcomp.policies.base.snap_to_pages`: each within one page of the sequence, the sum
 kept), since every head holds whole pages: without it each layer would round up by half a page
-on average and hold ~3 % more than ``ratio`` at 2K (54 vs 57 requests admitted). When ``T ≤ w`` or ``T ≥ N`` every layer keeps T
-(kvpress ``PyramidKVPress`` falls back to SnapKV the same way). L counts the layers the policy is
-given (a hybrid model's full-attention layers), in model order.
+on average and hold ~3 % more than ``ratio`` at 2K (54 vs 57 requests admitted). ``T ≤ w`` or
+``T ≥ N``: every layer keeps T; otherwise the pyramid is always built (the last layer holds
+``w + (T - w)/beta ≥ w``). L counts the layers the policy is given (a hybrid model's
+full-attention layers), in model order.
 
-Differences from kvpress ``PyramidKVPress``: kvpress runs the sequence over the whole budget T
-(window included, ``min_num = T / beta``) and caps its top at ``N - w``, then ``round()``s each
-layer (the mean drifts by up to half a token); the sequence over ``T - w`` is the authors' code
-and the paper's (the last ``w`` "instruction" tokens are kept in every layer).
+Differences from kvpress 0.5.5 ``PyramidKVPress.get_layer_budget``: it runs the sequence over the
+whole mean budget ``K = N·(1 - compression_ratio)``, window included (``min = K/beta``,
+``max = 2K - min``, capped at ``N - w``), ``round()``s each layer, and **falls back to SnapKV**
+(``round(K)`` in every layer) unless ``N ≥ max ≥ min ≥ w``: uncapped whenever ``K < beta·w``
+(at its defaults w = 64, beta = 20: under 1280 kept tokens, every prompt under 5120 tokens at
+compression_ratio 0.75), capped whenever ``K < N/2`` or ``K > N - w``. On a 619-token prompt at
+ratio 0.25 (w = 64, beta = 20, 30 layers) kvpress keeps 155 in every layer, this policy 241 → 69
+(mean 155). The sequence over ``T - w`` plus the window in every layer is the authors' code and
+the paper's; the authors' own fallbacks (no compression when ``N < T``, a uniform T when
+``N < 2(T - w)``) are not followed either. ``tests/policies/test_pyramidkv.py`` pins the differences from kvpress.
 
 Scores: :class:`~vllm_kvcomp.policies.snapkv.SnapKV` (window votes, pooling, ``heads``), applied
 through :class:`~vllm_kvcomp.policies.wrappers.LayerBudgets`. One-shot after prefill; with

@@ -5,5 +5,5 @@ for scope in all context; do
   python3 -m vllm_kvcomp eval --url http://localhost:8000 --model SmolLM2-135M-Instruct \
     --tasks passkey5,niah --lengths 2k --samples 8 --seed 0 \
     --policies full,snapkv,streamingllm,expected_attention,keydiff --ratios 0.25 \
-    --scope $scope --concurrency 4 --out docs/results/scope_pilot/scope_$scope.jsonl
+    --scope $scope --concurrency 4 --out docs/results/archive/scope_pilot/scope_$scope.jsonl
 done

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The powered quality evaluation (issue #17): bundled SmolLM2 on vLLM CPU (float32), 2K tokens.
 #
-#   bash docs/results/run_power.sh            # run, or resume after an interruption
-#   REPORT_ONLY=1 bash docs/results/run_power.sh   # rebuild power.md and the plots only
+#   bash docs/results/quality/run_power.sh            # run, or resume after an interruption
+#   REPORT_ONLY=1 bash docs/results/quality/run_power.sh   # rebuild power.md and the plots only
 #
 # What it runs (one `vllm-kvcomp eval`, all through the server, every request with its own
 # X-KV-Compression header, greedy decoding, sample prompts fixed by --seed 0):
@@ -13,7 +13,7 @@
 #     at the same memory (snapkv:ratio=0.3) and entropy with uniform layer budgets
 #     (entropy:min_ratio=1:max_ratio=1:ratio=0.25);
 #   * the LagKV lag sweep at ratio 0.25: lag 32, 64, 256 (lag 128 is the default `lagkv`);
-#   * snapkv with a 31-wide pooling kernel at 0.25 (docs/results/niah_investigation.md: the
+#   * snapkv with a 31-wide pooling kernel at 0.25 (docs/results/quality/niah_investigation.md: the
 #     default 7 keeps only the first digits of a needle on this digit-per-token tokenizer).
 # 26 conditions, 1500 samples, 1780 requests (multiturn sends two).
 #   * issue #27's six policies at ratios 0.5 and 0.25, 10 samples per cell (added 2026-11-27:
@@ -27,9 +27,9 @@
 # `razor` and lag-sweep conditions; the razor ~3x claim condition keeps the paper's rule
 # (exact=1, labelled `razor:buffer=64:ratio=0.07` in power.jsonl).
 #
-# Output: docs/results/power.jsonl (one line per sample; appended, so re-running resumes and
-# only sends what is missing), docs/results/power.md (table with n and Wilson 95% intervals per
-# cell, the claims' verdicts, the lag sweep), docs/results/power/*.png (accuracy_<task>,
+# Output: docs/results/quality/power.jsonl (one line per sample; appended, so re-running resumes and
+# only sends what is missing), docs/results/quality/power.md (table with n and Wilson 95% intervals per
+# cell, the claims' verdicts, the lag sweep), docs/results/quality/power/*.png (accuracy_<task>,
 # memory_<task> = accuracy vs KV held in decode, heatmap_<task>_<condition>).
 #
 # Wall time on this project's 2-core CPU machine: 66 minutes on 2026-11-23 (1500 samples, 2 in
@@ -38,11 +38,11 @@
 # out sample-major (index 0 of every cell, then index 1, ...), so a partial run leaves every cell
 # with about the same n.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../.."
 PORT=${PORT:-8766}
-OUT=docs/results/power.jsonl
-SUMMARY=docs/results/power.md
-PLOTS=docs/results/power
+OUT=docs/results/quality/power.jsonl
+SUMMARY=docs/results/quality/power.md
+PLOTS=docs/results/quality/power
 POLICIES="full,streamingllm,snapkv,h2o,knorm,sagekv,lagkv,entropy,razor,pod"
 POLICIES+=",razor:buffer=64:exact=1:ratio=0.07,snapkv:ratio=0.3,entropy:min_ratio=1:max_ratio=1:ratio=0.25"
 POLICIES+=",lagkv:lag=32:ratio=0.25,lagkv:lag=64:ratio=0.25,lagkv:lag=256:ratio=0.25"
@@ -58,6 +58,6 @@ if [[ -n "${REPORT_ONLY:-}" ]]; then
 fi
 # Prefix caching (vLLM's default, named here): a sample's prompt is the same under all 26
 # conditions and they go out one after another, so each prompt is prefilled about once.
-source docs/results/serve.sh
-serve "$PORT" --enable-prefix-caching --kv-compression-config docs/results/operator.yaml
+source docs/results/quality/serve.sh
+serve "$PORT" --enable-prefix-caching --kv-compression-config docs/results/quality/operator.yaml
 "${EVAL[@]}" --url "http://127.0.0.1:$PORT" --concurrency 2 --max-errors 50

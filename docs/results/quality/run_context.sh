@@ -4,10 +4,10 @@
 # compressed, the question sent apart and kept), bundled SmolLM2 on vLLM CPU (float32), 2K tokens,
 # RULER-style tasks.
 #
-#   bash docs/results/run_context.sh                 # run, or resume after an interruption
-#   REPORT_ONLY=1 bash docs/results/run_context.sh   # rebuild context_<scope>.md and the plots only
-#   SCOPE=all bash docs/results/run_context.sh       # the same cells with the question compressed too
-#   RATIOS=0.25 bash docs/results/run_context.sh     # the leaderboard's operating point only
+#   bash docs/results/quality/run_context.sh                 # run, or resume after an interruption
+#   REPORT_ONLY=1 bash docs/results/quality/run_context.sh   # rebuild context_<scope>.md and the plots only
+#   SCOPE=all bash docs/results/quality/run_context.sh       # the same cells with the question compressed too
+#   RATIOS=0.25 bash docs/results/quality/run_context.sh     # the leaderboard's operating point only
 #
 # One `vllm-kvcomp eval` through a default `vllm-kvcomp serve` (every policy allowed, shipped
 # calibration profiles for razor / pod / duoattention), greedy, prompts fixed by --seed 0, 20
@@ -21,18 +21,18 @@
 # duoattention sparsity=0.8 run too; at 0.125 only duoattention sparsity=0.9 of the calibrated
 # ones fits (all four checked against the server before the run). passkey is left out: with the question in a message of its own the
 # 135M model answers it without reading the document even with full cache (0/8 in
-# docs/results/scope_pilot.md), so it would measure nothing about the policies; so is RULER's
+# docs/results/archive/scope_pilot/scope_pilot.md), so it would measure nothing about the policies; so is RULER's
 # variable tracking (vt): full cache answered 0 of its first 3 samples here (it lists the filler
 # sentences as variables), while policies that happen to keep the assignments score above it.
 #
-# Output: docs/results/context_<scope>.jsonl (one line per sample, appended and resumed),
-# docs/results/context_<scope>.md (n and Wilson 95 % intervals per cell),
-# docs/results/context_<scope>/*.png, and README.md's quality table (both scopes) regenerated.
+# Output: docs/results/quality/context_<scope>.jsonl (one line per sample, appended and resumed),
+# docs/results/quality/context_<scope>.md (n and Wilson 95 % intervals per cell),
+# docs/results/quality/context_<scope>/*.png, and README.md's quality table (both scopes) regenerated.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../.."
 PORT=${PORT:-8767}
 SCOPE=${SCOPE:-context}
-OUT=docs/results/context_$SCOPE.jsonl
+OUT=docs/results/quality/context_$SCOPE.jsonl
 RATIOS=${RATIOS:-0.5,0.25,0.125}
 POLICIES="full,streamingllm,snapkv,h2o,knorm,sagekv,lagkv,entropy,pod"
 POLICIES+=",keydiff,tova,pyramidkv,expected_attention,criticalkv"
@@ -49,7 +49,7 @@ if [[ -n "${REPORT_ONLY:-}" ]]; then
 fi
 # Prefix caching (vLLM's default): a sample's document is the same under every condition and
 # they go out one after another, so each document is prefilled about once.
-source docs/results/serve.sh
+source docs/results/quality/serve.sh
 serve "$PORT"
 "${EVAL[@]}" --url "http://127.0.0.1:$PORT" --concurrency 2 --max-errors 50
 python3 -m vllm_kvcomp.eval.quality_table --write README.md  # README's quality table, both scopes

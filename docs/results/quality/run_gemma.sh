@@ -4,8 +4,8 @@
 # (512 tokens) left to vLLM. A base model, so plain completions (scope=all; scope=context needs
 # chat messages).
 #
-#   bash docs/results/run_gemma.sh                 # run, or resume after an interruption
-#   REPORT_ONLY=1 bash docs/results/run_gemma.sh   # rebuild gemma.md and the plots only
+#   bash docs/results/quality/run_gemma.sh                 # run, or resume after an interruption
+#   REPORT_ONLY=1 bash docs/results/quality/run_gemma.sh   # rebuild gemma.md and the plots only
 #
 # One `vllm-kvcomp eval` through `vllm-kvcomp serve gemma-3-270m`, greedy, prompts fixed by
 # --seed 0, at kept 0.25 of the global layers' KV: 20 samples per cell, full + 13 policies, 2
@@ -14,9 +14,9 @@
 # retrieval heads (they keep everything: the server refuses any ratio below 1); duoattention has
 # no profile for this model (its 3 compressed KV heads would be split 3 ways at most).
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../.."
 PORT=${PORT:-8768}
-OUT=docs/results/gemma.jsonl
+OUT=docs/results/quality/gemma.jsonl
 MODEL_DIR=${MODEL_DIR:-$HOME/.cache/vllm-kvcomp/models/gemma-3-270m}
 POLICIES="full,streamingllm,snapkv,h2o,knorm,sagekv,lagkv,entropy,pod,keydiff,tova,pyramidkv,expected_attention,criticalkv"
 EVAL=(python3 -m vllm_kvcomp eval --model gemma-3-270m --api completions --tokenizer "$MODEL_DIR"
@@ -26,6 +26,6 @@ EVAL=(python3 -m vllm_kvcomp eval --model gemma-3-270m --api completions --token
 if [[ -n "${REPORT_ONLY:-}" ]]; then
   exec "${EVAL[@]}" --report-only
 fi
-source docs/results/serve.sh
+source docs/results/quality/serve.sh
 serve "$PORT" gemma-3-270m --max-model-len 4096
 "${EVAL[@]}" --url "http://127.0.0.1:$PORT" --concurrency 2 --max-errors 20

@@ -1,4 +1,4 @@
-# Sourced by the docs/results run scripts: `serve PORT [vllm-kvcomp serve args...]` starts a
+# Sourced by the docs/results/quality run scripts: `serve PORT [vllm-kvcomp serve args...]` starts a
 # server in the background on 127.0.0.1:PORT, stops it when the script exits, and returns once
 # /health answers (exits 1 if the server dies first).
 serve() {
