@@ -211,6 +211,15 @@ LEDGER: tuple[Use, ...] = (
         "another layer's packed pages", param="kv_sharing_target_layer_name"),
     Use("vllm.v1.attention.backends.cpu_attn:_get_attn_isa", "the CPU cache's in-block layout (the builder "
         "stores it on each layer as ``layer.isa``)", "CPU reads/writes of kept tokens use the wrong layout"),
+    Use("vllm.model_executor.layers.attention:Attention", "the backend vLLM selected for a layer (``attn_backend``, "
+        "read only here), named when vllm-kvcomp refuses to start on one it does not hook", "the start-up refusal "
+        "names the impl class instead of vLLM's backend name", attrs=("attn_backend",)),
+    Use("vllm.model_executor.layers.attention.attention:unified_attention_with_output", "the custom op our "
+        "backends' ``forward`` runs in (:data:`ATTENTION_OP`): PIECEWISE CUDA graphs run it eagerly only when it "
+        "is one of the compilation's ``splitting_ops``", "an engine capturing attention inside a graph piece "
+        "starts, and its compressed rows replay what the capture recorded (silently wrong)"),
+    Use("vllm.envs:VLLM_USE_BREAKABLE_CUDAGRAPH", "breakable CUDA graphs run that op eagerly whatever the "
+        "splitting ops (vLLM sets it for some architectures)", "engines on breakable graphs are refused at start-up"),
     # ---------------------------------------------------------------- API server
     Use("vllm.entrypoints.launchers.cli_args:make_arg_parser", "`vllm-kvcomp serve` parses exactly like "
         "`vllm serve`", "the serve CLI"),
@@ -225,6 +234,18 @@ LEDGER: tuple[Use, ...] = (
     Use("vllm.engine.protocol:EngineClient.generate", "PATCH: wrapped per API-server instance (ResultTap): "
         "vLLM drops kv_transfer_params from streamed responses and from every prompt after the first of a "
         "completion batch; remove when streams carry them", "usage.kv_compression is missing in streams"),
+    Use("vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs", "PATCH (installed at plugin load): the "
+        "V1 model runner (vLLM's CPU runner; on CUDA where Model Runner V2 is off) reports its batch's request ids "
+        "in row order before the forward, so the worker finds its rows without reading device tensors (Model "
+        "Runner V2 passes them to start_load_kv)", "the worker raises: no batch order for a step",
+        param="scheduler_output"),
+    Use("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "the V1 runner's persistent batch", "the worker raises: "
+        "no batch order for a step", attrs=("input_batch",)),
+    Use("vllm.v1.worker.gpu_input_batch:InputBatch", "the V1 runner's request ids in row order (the first "
+        "num_reqs; req_ids is a property)", "the worker raises: no batch order for a step", attrs=("num_reqs",)),
+    Use("vllm.v1.worker.gpu.kv_connector:ActiveKVConnector._build_load_kwargs", "Model Runner V2 passes request_ids "
+        "(row order) and scheduler_output to the connector's start_load_kv before the forward when the scheduler "
+        "output has has_sync_kv_loads (our scheduler half sets it)", "the worker raises: no batch order for a step"),
 )
 
 #: names importable from this module (``from vllm_kvcomp.vllm_compat import X``), resolved on first use
@@ -438,6 +459,25 @@ def is_plain_full_attention(spec: Any) -> bool:
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     return type(spec) is FullAttentionSpec
+
+
+def attention_backend_name(layer: Any) -> str:
+    """vLLM's name of the backend it selected for the ``Attention`` module ``layer`` (e.g.
+    ``FLASHINFER``; the impl's class name for a module without one)."""
+    backend = getattr(layer, "attn_backend", None)
+    return backend.get_name() if backend is not None else type(getattr(layer, "impl", None)).__name__
+
+
+#: the custom op vLLM's ``Attention`` layers run their backend's ``forward`` in (see the ledger)
+ATTENTION_OP = "vllm::unified_attention_with_output"
+
+
+def attention_runs_between_graph_pieces(splitting_ops: list[str] | None) -> bool:
+    """Whether PIECEWISE CUDA graphs run attention (our backends' ``forward``) eagerly: its op
+    splits the graphs, or breakable CUDA graphs break at it whatever they split on."""
+    from vllm import envs
+
+    return ATTENTION_OP in (splitting_ops or ()) or bool(envs.VLLM_USE_BREAKABLE_CUDAGRAPH)
 
 
 # ---------------------------------------------------------------------------- scheduler side
@@ -688,3 +728,23 @@ def server_env_setup() -> None:
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
 
     cli_env_setup()
+
+
+def report_batch_order(report: Callable[[list[str], Any], None]) -> None:
+    """PATCH (see the ledger), installed once at plugin load: the V1 model runner (vLLM's CPU
+    runner, and the GPU one where Model Runner V2 is off) tells ``report`` its batch before the
+    forward: request ids in row order and ``scheduler_output.num_scheduled_tokens`` (Model Runner
+    V2 passes them to the connector's ``start_load_kv`` itself)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    prepare = GPUModelRunner._prepare_inputs
+    if getattr(prepare, "_kvcomp_reporting", False):
+        return
+
+    def reporting(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        batch = self.input_batch
+        report(batch.req_ids[: batch.num_reqs], scheduler_output.num_scheduled_tokens)
+        return prepare(self, scheduler_output, *args, **kwargs)
+
+    reporting._kvcomp_reporting = True
+    GPUModelRunner._prepare_inputs = reporting

@@ -64,13 +64,13 @@ def compressed_worker(cache_cls, caches, lengths: list[int], seed: int = 0):
     for r, n in enumerate(lengths):
         blocks = [free.pop() for _ in range(n // BS + 1)]
         spec = CompressionSpec(policy="streamingllm", ratio=0.5).to_dict()
-        first = blocks[n // BS] * BS + n % BS
-        requests.append(ScheduledRequest(f"r{r}", spec, n, n - 1, 1, blocks, first))
+        requests.append(ScheduledRequest(f"r{r}", spec, n, n - 1, 1, blocks))
         known.append(_fill(worker, torch.tensor(blocks), n, seed + r))
     worker.bind(StepMetadata(requests=[dataclasses.replace(q, num_computed=q.prompt_len - 1) for q in requests]))
     for r, n in enumerate(lengths):
         _compress_randomly(worker, f"r{r}", torch.tensor(requests[r].block_ids), n, known[r], rng)
     worker.bind(StepMetadata(requests=[dataclasses.replace(q, num_computed=q.prompt_len) for q in requests]))
+    worker.set_batch([q.req_id for q in requests], {q.req_id: 1 for q in requests})  # one decode row each
     for r, n in enumerate(lengths):  # the decode token, at its natural slot in every layer and head
         _write_token(worker, torch.tensor(requests[r].block_ids), n, known[r], seed + 100 + r)
     comp = Compensation(torch.randn(HK, D), torch.randn(HK, D), torch.tensor([3.0, 0.0]))
@@ -137,12 +137,10 @@ def expected(tokens: Tokens, q: torch.Tensor, layer: int, comp: Compensation | N
 def test_worker_attends_compressed_rows_over_their_pages(kind, device):
     lengths = [75, 100]
     worker, known = compressed_worker(CLASSES[kind], buffer(device), lengths)
-    slot_mapping = torch.tensor([r.first_slot for r in worker.step.values()], device=device)
-    qsl = torch.arange(3, dtype=torch.int32, device=device)
     for layer in range(L):
         q = torch.randn(2, HQ, D, device=device)
         out = torch.full_like(q, float("nan"))
-        worker.after_attention(f"model.layers.{layer}.self_attn.attn", q, out, qsl, slot_mapping)
+        worker.after_attention(f"model.layers.{layer}.self_attn.attn", q, out)
         for r in range(2):
             comp = worker.requests[f"r{r}"].compensation[layer]
             ref = expected(known[r], q[r].cpu(), layer, comp)
@@ -163,6 +161,7 @@ class PlainPagedImpl:
 
     def __init__(self):
         self.scale = SCALE
+        self.num_heads, self.num_kv_heads = HQ, HK
         self.seen: list[StubMetadata] = []
 
     def forward(self, layer, query, key, value, kv_cache, meta, output, output_scale=None, output_block_scale=None):
@@ -203,9 +202,10 @@ def test_backend_hook_trims_kernel_rows_and_overwrites_them(kind, device, monkey
     table = torch.tensor([b + [0] * (width - len(b)) for b in blocks] + [untracked + [0] * (width - 1)],
                          dtype=torch.int32, device=device)
     seq_lens = torch.tensor([76, 101, 3], dtype=torch.int32, device=device)
-    slots = [r.first_slot for r in worker.step.values()] + [untracked[0] * BS + i for i in range(3)]
+    worker.set_batch(["r0", "r1", "untracked"], {"r0": 1, "r1": 1, "untracked": 3})
+    slots = torch.zeros(5, dtype=torch.long, device=device)  # never read by the hook
     meta = StubMetadata(5, torch.tensor([0, 1, 2, 5], dtype=torch.int32, device=device), seq_lens.clone(),
-                        table.clone(), torch.tensor(slots, device=device))
+                        table.clone(), slots)
     q = torch.randn(5, HQ, D, device=device)
     out = torch.zeros_like(q)
     layer = type("Layer", (), {"layer_name": "model.layers.1.self_attn.attn"})()
@@ -235,7 +235,7 @@ def test_parent_kernel_is_skipped_when_every_row_is_compressed(kind, device, mon
     blocks = [r.block_ids for r in worker.step.values()]
     width = max(len(b) for b in blocks)
     table = torch.tensor([b + [0] * (width - len(b)) for b in blocks], dtype=torch.int32, device=device)
-    slots = torch.tensor([r.first_slot for r in worker.step.values()], device=device)
+    slots = torch.zeros(2, dtype=torch.long, device=device)  # never read by the hook
     meta = StubMetadata(2, torch.tensor([0, 1, 2], dtype=torch.int32, device=device),
                         torch.tensor([76, 101], dtype=torch.int32, device=device), table, slots)
     impl = HookedImpl()
@@ -254,7 +254,7 @@ def test_trim_rows_shifts_only_the_given_rows():
     seq_lens = torch.tensor([70, 5, 33], dtype=torch.int32)
     table = torch.arange(15, dtype=torch.int32).view(3, 5) + 1
     qsl = torch.tensor([0, 1, 5, 6], dtype=torch.int32)
-    new_lens, new_table = trim_rows(seq_lens, table, qsl, [0, 2], 16)
+    new_lens, new_table = trim_rows(seq_lens, table, qsl, torch.tensor([0, 2]), 16)
     assert new_lens.tolist() == [70 - 64, 5, 33 - 32]
     assert new_table.tolist() == [[5, 0, 0, 0, 0], [6, 7, 8, 9, 10], [13, 14, 15, 0, 0]]
     assert seq_lens.tolist() == [70, 5, 33] and table[0, 0] == 1
@@ -323,9 +323,33 @@ def test_paged_cache_per_platform_and_refusals():
     assert paged_cache("cpu", {"l0": ours}, caches, BS)([caches["l0"]]).geometry.block_size == BS
     with pytest.raises(NotImplementedError, match="CPU and CUDA"):
         paged_cache(None, {"l0": ours}, caches, BS)
-    with pytest.raises(NotImplementedError, match="FLASH_ATTN or TRITON_ATTN"):
+    from vllm_kvcomp.engine.support import StartupError
+
+    with pytest.raises(StartupError, match="PlainPagedImpl, which vllm-kvcomp does not hook; pass --attention-backend "
+                                           "FLASH_ATTN"):  # the engine does not start: the flag is named
         paged_cache("cuda", {"l0": FakeLayer(PlainPagedImpl())}, caches, BS)
     with pytest.raises(NotImplementedError, match="sliding-window"):
         paged_cache("cuda", {"l0": FakeLayer(HookedImpl(), sliding_window=4096)}, caches, BS)
     with pytest.raises(NotImplementedError, match="--block-size"):
         paged_cache("cuda", {"l0": ours}, caches, 2 * BS)
+
+
+def test_an_unhooked_backend_is_named_as_vllm_names_it_and_stops_the_start():
+    """The layer's ``attn_backend`` (what vLLM picked) names the refusal; FLASHINFER, vLLM's
+    Blackwell default, says why it is not hooked. A ``StartupError`` is not the
+    ``NotImplementedError`` that serves an engine uncompressed: the engine does not start."""
+    from vllm_kvcomp.engine.support import StartupError
+
+    caches = {"l0": torch.zeros(3, HK, BS, 2 * D)}
+    for name, why in (("FLASHINFER", "Blackwell"), ("FLEX_ATTENTION", "")):
+        layer = FakeLayer(PlainPagedImpl())
+        layer.attn_backend = type("Backend", (), {"get_name": staticmethod(lambda name=name: name)})
+        with pytest.raises(StartupError) as refused:
+            paged_cache("cuda", {"l0": layer}, caches, BS)
+        message = str(refused.value)
+        assert message.startswith(f"layer l0 runs attention backend {name}") and why in message
+        assert "pass --attention-backend FLASH_ATTN (TRITON_ATTN if vLLM rejects FLASH_ATTN" in message
+        assert not isinstance(refused.value, NotImplementedError)
+    layer = FakeLayer(PlainPagedImpl())
+    with pytest.raises(StartupError, match="pass --attention-backend CPU_ATTN,"):
+        paged_cache("cpu", {"l0": layer}, caches, BS)

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.engine import test_backend_choice as backend_choice
 from tests.engine.conftest import TINY, prompt_ids
 from tests.engine.stream_engine import ROOT, engine_request, run_engine
 from vllm_kvcomp.spec import CompressionSpec
@@ -496,6 +497,10 @@ def render(outcomes: dict[str, dict]) -> str:
         "",
         "Not run here: `n > 1` sampling (the child engine runs one sample per request; what",
         "`usage.kv_compression` reports for it: [server.md](server.md#notes)).",
+        "",
+        "## On a GPU: the attention backend vLLM picks, and engine settings",
+        "",
+        backend_choice.section(),
         "",
     ]
     return "\n".join(lines)

@@ -201,7 +201,7 @@ def test_decode_captures_only_the_steps_a_recompression_can_read(name, window):
     size = policy.queries_needed()
     pages = RequestPages(PageGeometry(1, 2, 16, torch.zeros(1, dtype=torch.long)))
     pages.kept_positions = [[torch.arange(4), torch.arange(4)]]
-    state = CompressedRequest(spec=spec, policy=policy, pages=pages, windows=[QueryWindow(size)],
+    state = CompressedRequest(spec=spec, policy=policy, pages=pages, window=QueryWindow(size),
                               policy_state=RequestState(budget=100, page_quantum=(16, 0)))
     state.lifecycle.prompt_complete(400)
     state.lifecycle.compressed()

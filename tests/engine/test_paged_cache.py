@@ -254,8 +254,9 @@ def _attends_as_eq5(cache, device, queries, capped):
     sinks = torch.tensor([3.0, -1.0, 0.5, 6.0]) if capped else None  # [H_q] = [H_kv * G]
     variant = AttentionVariant(SCALE, 4.0 if capped else 0.0, None if sinks is None else sinks.to(device))
     starts = torch.cumsum(torch.tensor([0, *queries]), 0)
-    plan = SequenceCompensation.plan(*(t.unsqueeze(0) for t in comp), queries, torch.tensor([lengths]), BS, device,
-                                     [capped])
+    present = ((comp[2] > 0) | capped).unsqueeze(0)
+    plan = SequenceCompensation.schedule(*(t.unsqueeze(0).to(device) for t in comp), present, queries,
+                                         torch.tensor([lengths]), BS)
     out = cache.attend(q.to(device), torch.stack(tables).to(device), torch.tensor(lengths).to(device),
                        starts.to(device), variant, plan[0])
     for s, (keys, values) in enumerate(data):
@@ -294,8 +295,9 @@ def test_calls_sharing_a_memo_make_the_cpu_schedule_once(monkeypatch):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     # a layer that merges a sequence (its compensation token) attends it in torch and the kernel
     # reads one cell of it: its own schedule, kept beside the other
-    plan = SequenceCompensation.plan(torch.randn(1, 3, D, generator=gen), torch.randn(1, 3, D, generator=gen),
-                                     torch.tensor([[0.0, 5.0, 0.0]]), [1, 1, 1], lengths.view(1, 3), BS, "cpu")[0]
+    plan = SequenceCompensation.schedule(torch.randn(1, 3, D, generator=gen), torch.randn(1, 3, D, generator=gen),
+                                         torch.tensor([[0.0, 5.0, 0.0]]), torch.tensor([[False, True, False]]), [1, 1, 1],
+                                         lengths.view(1, 3), BS)[0]
     merging = [cache.attend(q, pages, lengths, starts, variant, plan, memo) for q in queries]
     assert len(made) == 4
     assert float((merging[0][1] - shared[0][1]).abs().max()) > 1e-3  # the token counts

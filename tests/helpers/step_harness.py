@@ -90,8 +90,6 @@ class FakeRunner:
         self.cache_hits: dict[str, int] = {}  # tokens each request found in the prefix cache
         self.generator = torch.Generator().manual_seed(seed)
         self.steps = 0
-        takes_scale = "scale" in inspect.signature(worker.after_attention).parameters
-        self.scale_arg = (self.cache.head_dim**-0.5,) if takes_scale else ()
 
     @property
     def cache(self):
@@ -104,8 +102,11 @@ class FakeRunner:
         computed = self._update_states(out)
         self.worker.bind(out.kv_connector_metadata)
         rows = list(out.num_scheduled_tokens.items())
+        self.worker.set_batch([rid for rid, _ in rows], out.num_scheduled_tokens)  # as the model runner tells it
         if rows:
             self._forward(rows, computed)
+            if self.check:
+                self.check_tables()
         self.worker.finish_step()
         if self.check:
             for rid, n in rows:
@@ -140,16 +141,14 @@ class FakeRunner:
 
     def _forward(self, rows: list[tuple[str, int]], computed: dict[str, int]) -> None:
         bs = self.worker.block_size
-        positions, tokens, slots, counts = [], [], [], [0]
+        positions, tokens, slots = [], [], []
         for rid, n in rows:
             req = self.requests[rid]
             pos = torch.arange(computed[rid], computed[rid] + n)
             positions.append(pos)
             tokens.append(req.tokens(pos))
             slots.append(torch.tensor(req.blocks)[pos // bs] * bs + pos % bs)
-            counts.append(n)
         positions, tokens, slots = torch.cat(positions), torch.cat(tokens), torch.cat(slots)
-        query_start_loc = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
         geometry, heads, dim = self.cache.geometry, self.cache.geometry.num_kv_heads, self.cache.head_dim
         pages = geometry.page_ids(slots // bs)  # [L, H, T]
         offsets = (slots % bs).view(-1, 1).expand(-1, heads).reshape(-1)
@@ -159,7 +158,24 @@ class FakeRunner:
                                    values.reshape(-1, dim))
             query = torch.randn(len(tokens), self.num_heads, dim, generator=self.generator)
             output = torch.zeros_like(query)
-            self.worker.after_attention(name, query, output, query_start_loc, slots, *self.scale_arg)
+            self.worker.after_attention(name, query, output)
+
+    def check_tables(self) -> None:
+        """The page tables every layer's kernel read this step (kept on the device between
+        steps, updated in place) are the requests' own tables (:meth:`RequestPages.tables`)."""
+        plan = self.worker._plan
+        if plan is None or not plan.batch.requests:
+            return
+        want = [(state.pages.tables(self.worker.step[row.req_id].block_ids,
+                                    self.worker.step[row.req_id].num_computed + self.worker.step[row.req_id].num_scheduled))
+                for row, state in zip([r for r in plan.rows if self.worker.requests[r.req_id].compressed],
+                                      plan.batch.requests)]
+        got, s = plan.batch.tables, 0
+        for table in want:
+            heads, width = table.shape[1], table.shape[2]
+            assert torch.equal(got[:, s : s + heads, :width].long(), table), "device page tables differ from the requests'"
+            s += heads
+        assert s == got.shape[1]
 
     def check_kv(self, rid: str, end: int) -> None:
         """Read ``rid``'s cache as the worker reads it (virtual sequences of a compressed request,

@@ -44,6 +44,7 @@ def test_public_api() -> None:
         "BACKENDS",
         "cuda_extension_available",
         "decode_attention",
+        "prefill_attention",
         "projected_l1_norms",
         "resolve_backend",
     }
@@ -160,3 +161,27 @@ def test_soft_cap_and_sinks(backend: str, sink_shape: str) -> None:
                                         tuple(t.to(DEVICE) for t in comp), scale=0.125, backend=backend,
                                         softcap=5.0, sinks=sinks.to(DEVICE))
     assert_decode_close(q, paged, starts, comp, 0.125, out, lse, what=backend, softcap=5.0, sinks=sinks)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"] if DEVICE == "cpu" else ["triton"])
+def test_prefill_attention(backend: str) -> None:
+    """The dispatch's multi-row call on each path equals the float64 reference (one KV head per
+    sequence, a chunk, a decode row and draft-like rows in one call, a compensation token)."""
+    if backend == "triton" and DEVICE == "cpu" and not INTERPRET:
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+    from vllm_kvcomp.kernels.fixtures import make_paged
+    from vllm_kvcomp.kernels.reference import prefill_reference
+
+    paged = make_paged([40, 9, 21], 1, 64, 16, torch.float32, DEVICE, seed=4)
+    rows = torch.tensor([0, 12, 13, 17], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(17, 3, 64, generator=gen)
+    comp = (torch.randn(3, 64, generator=gen), torch.randn(3, 64, generator=gen), torch.tensor([0.0, 4.0, 2.0]))
+    out, lse = kernels.prefill_attention(q.to(DEVICE), paged.cache, paged.block_table, paged.seq_lens,
+                                         rows.to(DEVICE), tuple(t.to(DEVICE) for t in comp), softcap=3.0,
+                                         backend=backend)
+    p = paged.cpu()
+    want, want_lse = prefill_reference(q.double(), p.cache.double(), p.block_table, p.seq_lens, rows, comp,
+                                       softcap=3.0)
+    torch.testing.assert_close(out.cpu().double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.cpu().double(), want_lse, rtol=1e-5, atol=1e-5)

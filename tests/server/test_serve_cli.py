@@ -64,16 +64,6 @@ def test_off_cpu_the_vllm_defaults_stay(model_dir):
     assert args.model == str(model_dir)
 
 
-def test_on_a_gpu_a_hooked_attention_backend_is_the_default(model_dir):
-    from vllm_kvcomp.engine.plugin import backend_overrides
-
-    assert parse([str(model_dir)], on_cpu=False).attention_backend == cli.GPU_ATTENTION_BACKEND
-    assert cli.GPU_ATTENTION_BACKEND in backend_overrides("cuda")
-    assert parse([str(model_dir), "--attention-backend", "TRITON_ATTN"], on_cpu=False).attention_backend == \
-        "TRITON_ATTN"
-    assert parse([str(model_dir)]).attention_backend is None  # CPU: vLLM's only choice
-
-
 def test_max_model_len_is_capped_at_8192(model_dir):
     (model_dir / "config.json").write_text(json.dumps({"max_position_embeddings": 131072}))
     assert parse([str(model_dir)]).max_model_len == cli.CPU_MAX_MODEL_LEN == 8192

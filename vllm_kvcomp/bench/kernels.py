@@ -1,6 +1,6 @@
 """The kernels the engine runs on a GPU, timed against the device's own ceilings, in one run.
 
-Five phases (``--phases``; all but ``cpu`` by default):
+Six phases (``--phases``; all but ``cpu`` and ``prefill`` by default):
 
 ``decode``
     ``kernels.decode_attention`` over a paged cache (per-head ranges + compensation token) on
@@ -22,6 +22,12 @@ Five phases (``--phases``; all but ``cpu`` by default):
     per-(request, KV head) pages of N cells each, in block order as packed pages are, next to
     vLLM's CPU kernel over the same pages (the engine's path without the C kernel); outputs
     compared. ns per cell = one step's time / (layers x sequences x N).
+``prefill``
+    A prefill chunk of a compressed request on vLLM's CPU backend (``--device cpu``): ``--chunk``
+    query rows of each of ``B`` requests after N cells, the engine's call (``CpuPagedCache.attend``:
+    one virtual sequence per (request, KV head) over its pages, one call per layer) next to vLLM's
+    CPU kernel over the same tokens' full blocks (one sequence per request, every KV head), as an
+    uncompressed request's chunk is attended; outputs compared.
 ``decide``
     The rest of a prompt-end compression, per policy (every registered policy and variant at
     ``--decide-ratio``), the two ways the worker can run it: **before** (the engine until
@@ -62,7 +68,8 @@ import torch
 
 from vllm_kvcomp.bench.common import module_main, write_report
 
-PHASES = ("decode", "pages", "compact", "cpu", "decide")
+PHASES = ("decode", "pages", "compact", "cpu", "prefill", "decide")
+HOST_PHASES = ("cpu", "prefill")  # vLLM's CPU backend: only when asked for
 GPU = dict(contexts="4096,16384,32768", batches="1,8,64", kv_heads=8, head_dim=128, layers=32,
            compact_context=32768, decide_contexts="8192,32768")
 CPU = dict(contexts="256,512", batches="1,2", kv_heads=2, head_dim=64, layers=2, compact_context=512,
@@ -89,8 +96,9 @@ class Row:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     gpu = torch.cuda.is_available()
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if gpu else "cpu")
-    p.add_argument("--phases", default=",".join(p for p in PHASES if p != "cpu"),
-                   help=f"comma list of {', '.join(PHASES)} (default: all but cpu)")
+    p.add_argument("--phases", default=",".join(p for p in PHASES if p not in HOST_PHASES),
+                   help=f"comma list of {', '.join(PHASES)} (default: all but {' and '.join(HOST_PHASES)})")
+    p.add_argument("--chunk", type=int, default=2048, help="prefill phase: query rows of the chunk per request")
     p.add_argument("--contexts", help=f"comma list of N (default GPU {GPU['contexts']}, CPU {CPU['contexts']})")
     p.add_argument("--batches", help=f"comma list of B (default GPU {GPU['batches']}, CPU {CPU['batches']})")
     p.add_argument("--kept", default="0.5,0.25,0.125", help="kept fractions of the pages/compact phases")
@@ -269,6 +277,68 @@ def _cpu_pages(a: argparse.Namespace, n: int, batch: int, order: str, evict: tor
     rows = [_row(a, "cpu", what, n, batch, 1.0, ms, cells * 2 * d * a.dtype.itemsize, 1.0,
                  ns_per_cell=ms * 1e6 / cells, max_diff=err, pages=order) for what, ms in medians.items()]
     rows[0].extra["vs_vllm"] = rows[1].ms / rows[0].ms
+    return rows
+
+
+def bench_cpu_prefill(a: argparse.Namespace, n: int, batch: int) -> list[Row]:
+    """A ``a.chunk``-row prefill chunk after ``n`` cells, ``batch`` requests, every layer: the
+    engine's call over per-(request, KV head) sequences and vLLM's CPU kernel over the requests'
+    full blocks (both over the same pages, in block order), alternating after ``evict``."""
+    from vllm_kvcomp import vllm_compat
+    from vllm_kvcomp.engine.cache import AttentionVariant, CpuPagedCache
+
+    bs, d, heads, t = a.block_size, a.head_dim, a.kv_heads, a.chunk
+    total, gen = n + t, torch.Generator().manual_seed(n + batch + t)
+    width = -(-total // bs)
+    storage = torch.randn(a.layers, batch * width + 1, heads, bs, 2 * d, generator=gen).to(a.dtype)
+    cache = CpuPagedCache([storage[layer] for layer in range(a.layers)])
+    blocks = torch.arange(batch * width).view(batch, width)  # request r's blocks, in block order
+    tables = [cache.geometry.page_ids(blocks.flatten())[layer].view(heads, batch, width).transpose(0, 1)
+              .reshape(batch * heads, width).to(torch.int32) for layer in range(a.layers)]  # sequence (r, h)
+    queries = [torch.randn(batch, t, heads, a.group, d, generator=gen).to(a.dtype) for _ in range(a.layers)]
+    variant = AttentionVariant(d ** -0.5)
+    per_head = [q.transpose(1, 2).reshape(batch * heads * t, a.group, d).contiguous() for q in queries]
+    lengths = torch.full((batch * heads,), total, dtype=torch.int32)
+    starts = torch.arange(batch * heads + 1, dtype=torch.int32) * t
+    natural = [storage[layer].view(-1, heads, 2 * bs, d).chunk(2, dim=2) for layer in range(a.layers)]
+    flat = [q.reshape(batch * t, heads * a.group, d).contiguous() for q in queries]
+    seq_lens = torch.full((batch,), total, dtype=torch.int32)
+    req_starts = torch.arange(batch + 1, dtype=torch.int32) * t
+    block_table = blocks.to(torch.int32)
+    schedule = vllm_compat.cpu_attention_schedule(
+        num_reqs=batch, num_heads=heads * a.group, num_kv_heads=heads, head_dim=d, seq_lens=seq_lens,
+        dtype=a.dtype, query_start_loc=req_starts, causal=True, sliding_window_size=-1, isa="vec",
+        dynamic_causal=None, kv_cache_dtype="auto")
+
+    def engine() -> list[torch.Tensor]:
+        memo: dict[str, object] = {}  # the step's layers share one schedule (their lengths are equal)
+        return [cache.attend(q, table, lengths, starts, variant, None, memo) for q, table in zip(per_head, tables)]
+
+    def vllm() -> list[torch.Tensor]:
+        outs = []
+        for q, (keys, values) in zip(flat, natural):
+            out = torch.empty_like(q)
+            vllm_compat.cpu_paged_attention(
+                query=q, key_cache=keys, value_cache=values, output=out, query_start_loc=req_starts,
+                seq_lens=seq_lens, scale=variant.scale, causal=True, alibi_slopes=None, sliding_window=-1,
+                block_table=block_table, softcap=0.0, scheduler_metadata=schedule, s_aux=None)
+            outs.append(out)
+        return outs
+
+    ours = torch.stack(engine()).view(a.layers, batch, heads, t, a.group, d).transpose(2, 3)
+    err = float((ours.reshape(a.layers, batch * t, heads * a.group, d) - torch.stack(vllm())).abs().max())
+    evict = torch.zeros(EVICT_BYTES // 4)
+    times: dict[str, list[float]] = {"kvcomp over per-head pages": [], "vLLM CPU kernel, full blocks": []}
+    for _ in range(a.iters):
+        for what, fn in zip(times, (engine, vllm)):
+            evict.add_(1.0)
+            t0 = time.perf_counter()
+            fn()
+            times[what].append((time.perf_counter() - t0) * 1e3)
+    medians = [statistics.median(ms) for ms in times.values()]
+    rows = [_row(a, "prefill", what, n, batch, 1.0, ms, a.layers * batch * heads * total * 2 * d * a.dtype.itemsize,
+                 1.0, chunk=t, max_diff=err) for what, ms in zip(times, medians)]
+    rows[0].extra["vs_vllm"] = medians[0] / medians[1]
     return rows
 
 
@@ -668,6 +738,13 @@ def markdown(rows: list[Row], copy_gbps: float, device: str) -> str:
                 "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         out += [f"| {r.what} | {r.extra['pages']} | {r.context} | {r.batch} | {r.ms:.3f} | {r.extra['ns_per_cell']:.1f} | {r.gbps:.4g} "
                 f"| {_fmt(r.extra, 'vs_vllm', '.2f')} | {r.extra['max_diff']:.1e} |" for r in cpu]
+    prefill = [r for r in rows if r.phase == "prefill"]
+    if prefill:
+        out += ["", "## prefill: a compressed request's prefill chunk on vLLM's CPU backend (every layer)", "",
+                "| call | N before the chunk | chunk | requests | ms | ours / vLLM's (target <= 1.2) | max abs diff |",
+                "|---|---:|---:|---:|---:|---:|---:|"]
+        out += [f"| {r.what} | {r.context} | {r.extra['chunk']} | {r.batch} | {r.ms:.1f} "
+                f"| {_fmt(r.extra, 'vs_vllm', '.2f')} | {r.extra['max_diff']:.1e} |" for r in prefill]
     decide = [r for r in rows if r.phase == "decide"]
     if decide:
         out += ["", "## decide: the rest of a prompt-end compression, per policy", "",
@@ -715,6 +792,8 @@ def run(a: argparse.Namespace) -> int:
                 rows += bench_pages(a, n, batch, measure, copy_gbps)
             if "cpu" in a.phases and a.device == "cpu":
                 rows += bench_cpu(a, n, batch)
+            if "prefill" in a.phases and a.device == "cpu":
+                rows += bench_cpu_prefill(a, n, batch)
             if a.device == "cuda":
                 torch.cuda.empty_cache()
     if "compact" in a.phases:

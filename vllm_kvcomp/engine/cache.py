@@ -10,8 +10,9 @@ kernel sees ``num_kv_heads = 1``:
 - :class:`CpuPagedCache`: vLLM's CPU ``vec`` page (``K^T [D, bs]`` then ``V [bs, D]``), one call
   per layer for all compressed rows: kvcomp's C kernel (``kernels.cpu_native``) for decode rows,
   vLLM's own CPU kernel for the many rows of a prefill chunk.
-- :class:`CudaPagedCache`: ``kernels.decode_attention`` (CUDA extension or Triton; the torch
-  reference on CPU tensors), a page stores ``[bs, 2D]`` cells.
+- :class:`CudaPagedCache`: ``kernels.decode_attention`` for decode rows and
+  ``kernels.prefill_attention`` for the many rows of a prefill chunk or drafts, one launch per
+  layer either way (Triton; the torch reference on CPU tensors), a page stores ``[bs, 2D]`` cells.
 
 Each layer attends as vLLM's own kernel would for it (:class:`AttentionVariant`: scale, logit
 soft-capping, learned sinks). RazorAttention's compensation token (eq. 5) and sinks are merged by
@@ -26,6 +27,7 @@ reference (``kernels.reference.decode_attention_reference``) in float64.
 
 from __future__ import annotations
 
+import functools
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -65,40 +67,49 @@ class SequenceCompensation:
     """One layer's compensation tokens per virtual sequence, and where they are.
 
     ``keys``/``values`` [S, D], ``counts`` [S] float (0 = no token), on the cache's device;
-    ``groups``: the sequences whose attention needs a log-sum-exp merge (those that have a token,
-    or all of them in a layer with sinks), as (indices [C] on the device, T = their query rows,
-    W = pages of the longest), planned on the host by :meth:`plan` so attention reads nothing
-    back; ``merged``: their indices on the host (layers that merge the same sequences share a
-    kernel schedule)."""
+    ``present`` [S] (host) the sequences whose attention needs a log-sum-exp merge (those that
+    have a token, or all of them in a layer with sinks), ``query_rows`` their query rows and
+    ``lengths`` [S] (host) their lengths. From those, made on first use on the host (only the CPU
+    cache merges by groups): :attr:`groups`, as (indices [C], T = their query rows, W = pages of
+    the longest), so that attention reads nothing back; :attr:`merged`, their indices (layers
+    that merge the same sequences share a kernel schedule)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     counts: torch.Tensor
-    groups: tuple[tuple[torch.Tensor, int, int], ...]
-    merged: tuple[int, ...] = ()
+    present: torch.Tensor
+    query_rows: list[int]
+    lengths: torch.Tensor
+    block_size: int
 
     @classmethod
-    def plan(cls, keys: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, query_rows: list[int],
-             lengths: torch.Tensor, block_size: int, device: torch.device | str,
-             every: list[bool] | None = None) -> list[SequenceCompensation | None]:
-        """Every layer's tokens from host tensors (two reads in all): keys/values [L, S, D],
-        counts [L, S], ``query_rows`` T per sequence, ``lengths`` [L, S] the sequences' lengths;
-        ``every[l]``: layer l merges every sequence (it has sinks). None for a layer where no
-        sequence needs a merge."""
-        present = ((counts > 0) | torch.tensor(every or [False] * counts.shape[0]).view(-1, 1)).tolist()
-        pages = ((lengths + block_size - 1) // block_size).tolist()
-        out: list[SequenceCompensation | None] = []
-        for layer, has in enumerate(present):
-            by_rows: dict[int, list[int]] = {}  # T -> sequences with a token and T query rows
-            for s, (t, p) in enumerate(zip(query_rows, has, strict=True)):
-                if p:
-                    by_rows.setdefault(t, []).append(s)
-            groups = tuple((torch.tensor(seqs, device=device), t, max(pages[layer][s] for s in seqs))
-                           for t, seqs in sorted(by_rows.items()))
-            merged = tuple(s for _, seqs in sorted(by_rows.items()) for s in seqs)
-            out.append(cls(keys[layer].to(device), values[layer].to(device), counts[layer].to(device), groups, merged)
-                       if groups else None)
-        return out
+    def schedule(cls, keys: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, present: torch.Tensor,
+                 query_rows: list[int], lengths: torch.Tensor, block_size: int) -> list[SequenceCompensation | None]:
+        """Every layer's tokens: keys/values [L, S, D] and counts [L, S] on the cache's device,
+        ``present`` [L, S] bool (host) whether sequence s of layer l needs a merge, ``query_rows``
+        T per sequence, ``lengths`` [L, S] (host) the sequences' lengths. None for a layer where
+        no sequence needs a merge."""
+        layers = present.any(dim=1).tolist()
+        return [cls(keys[layer], values[layer], counts[layer], present[layer], query_rows, lengths[layer], block_size)
+                if has else None for layer, has in enumerate(layers)]
+
+    @functools.cached_property
+    def _by_rows(self) -> list[tuple[int, list[int]]]:
+        """(T, the merging sequences with T query rows), by T."""
+        by_rows: dict[int, list[int]] = {}
+        for s, (t, p) in enumerate(zip(self.query_rows, self.present.tolist(), strict=True)):
+            if p:
+                by_rows.setdefault(t, []).append(s)
+        return sorted(by_rows.items())
+
+    @functools.cached_property
+    def groups(self) -> tuple[tuple[torch.Tensor, int, int], ...]:
+        pages = ((self.lengths + self.block_size - 1) // self.block_size).tolist()
+        return tuple((torch.tensor(seqs), t, max(pages[s] for s in seqs)) for t, seqs in self._by_rows)
+
+    @functools.cached_property
+    def merged(self) -> tuple[int, ...]:
+        return tuple(s for _, seqs in self._by_rows for s in seqs)
 
 
 class PagedCache(ABC):
@@ -168,7 +179,8 @@ class PagedCache(ABC):
     @abstractmethod
     def attend(self, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, query_start: torch.Tensor,
                variant: AttentionVariant, compensation: SequenceCompensation | None,
-               memo: dict[str, object] | None = None, observe: torch.Tensor | None = None) -> torch.Tensor:
+               memo: dict[str, object] | None = None, observe: torch.Tensor | None = None,
+               query_rows: list[int] | None = None) -> torch.Tensor:
         """Causal attention of virtual sequences: q [T, G, D] (sequence s owns query rows
         ``query_start[s]:query_start[s + 1]``, the last tokens of its ``lengths[s]``; sequences
         ordered (request, KV head)), tables [S, W] page ids -> out [T, G, D] in q's dtype.
@@ -176,7 +188,8 @@ class PagedCache(ABC):
         (the layers of one step that hold as much): what depends on them alone is made once.
         ``observe`` [S] int64, only where :meth:`observes` says so: addresses of float32 rows
         (0 = none) to which each sequence adds its cells' softmax weights, the mean over its query
-        heads (``kernels.cpu_native.merged_attention``)."""
+        heads (``kernels.cpu_native.merged_attention``). ``query_rows``: each sequence's number of
+        query rows on the host (what ``query_start`` says; read from it when not given)."""
 
 
 class CpuPagedCache(PagedCache):
@@ -250,7 +263,8 @@ class CpuPagedCache(PagedCache):
 
     def attend(self, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, query_start: torch.Tensor,
                variant: AttentionVariant, compensation: SequenceCompensation | None,
-               memo: dict[str, object] | None = None, observe: torch.Tensor | None = None) -> torch.Tensor:
+               memo: dict[str, object] | None = None, observe: torch.Tensor | None = None,
+               query_rows: list[int] | None = None) -> torch.Tensor:
         """Decode rows (at most :attr:`NATIVE_ROWS` per sequence): kvcomp's C kernel attends
         every sequence, merging compensation tokens and sinks (:mod:`~vllm_kvcomp.kernels.cpu_native`)
         and summing the attention of the sequences ``observe`` names.
@@ -259,7 +273,7 @@ class CpuPagedCache(PagedCache):
         :meth:`_attend_merged` and the kernel reads only their first T cells. Its schedule (from
         the lengths and query rows alone) is kept in ``memo``, per set of merged sequences."""
         q = q.contiguous()
-        native = self._native_groups(q, query_start)
+        native = self._native_groups(q, query_start, query_rows)
         if native is not None:
             out = torch.empty_like(q)
             s = tables.shape[0]
@@ -316,8 +330,8 @@ class CpuPagedCache(PagedCache):
         return self.dtype == torch.float32 and cpu_native.covers(q.dtype, q.shape[1], self.head_dim,
                                                                  self.geometry.block_size)
 
-    def _native_groups(self, q: torch.Tensor,
-                       query_start: torch.Tensor) -> list[tuple[torch.Tensor, int]] | None:
+    def _native_groups(self, q: torch.Tensor, query_start: torch.Tensor,
+                       query_rows: list[int] | None) -> list[tuple[torch.Tensor, int]] | None:
         """Every sequence, grouped by its number of query rows, when the C kernel attends them
         all (float32, at most :attr:`NATIVE_ROWS` rows each, the kernel built); else None. Made
         once per ``query_start`` tensor (a step's layers share one: they read nothing back)."""
@@ -325,7 +339,7 @@ class CpuPagedCache(PagedCache):
         if plan is not None and plan[0] is query_start:
             return plan[1]
         groups = None
-        rows = (query_start[1:] - query_start[:-1]).tolist()
+        rows = query_rows if query_rows is not None else (query_start[1:] - query_start[:-1]).tolist()
         if q.dtype == torch.float32 and self.observes(q.shape[1], rows):  # the rule observes() tells the worker
             by_rows: dict[int, list[int]] = {}
             for s, t in enumerate(rows):
@@ -460,27 +474,28 @@ class CudaPagedCache(PagedCache):
 
     def attend(self, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, query_start: torch.Tensor,
                variant: AttentionVariant, compensation: SequenceCompensation | None,
-               memo: dict[str, object] | None = None, observe: torch.Tensor | None = None) -> torch.Tensor:
-        """One ``decode_attention`` launch (nothing to share between layers: ``memo`` unused): a sequence with T queries becomes T one-query
-        sequences whose lengths end at each query's causal limit. Nothing is observed (``observes``
-        is False: the GPU kernels return no weights; H2O scores its window there)."""
+               memo: dict[str, object] | None = None, observe: torch.Tensor | None = None,
+               query_rows: list[int] | None = None) -> torch.Tensor:
+        """One launch (nothing to share between layers: ``memo`` unused): ``decode_attention``
+        when every sequence has one query row (its key splits keep the GPU busy), summing the
+        attention of the sequences ``observe`` names; else ``prefill_attention``, every sequence's
+        rows with their causal limits (a prefill chunk, draft rows)."""
         from vllm_kvcomp import kernels
 
         sinks = variant.sequence_sinks(tables.shape[0], self.geometry.num_kv_heads)  # [S, G]
-        if q.shape[0] == tables.shape[0]:  # one query per sequence (decode): no expansion
-            comp = None if compensation is None else (
-                compensation.keys.unsqueeze(1), compensation.values.unsqueeze(1), compensation.counts.unsqueeze(1))
+        comp = None if compensation is None else (compensation.keys, compensation.values, compensation.counts)
+        if q.shape[0] == tables.shape[0]:  # one query per sequence (decode)
+            if comp is not None:
+                comp = tuple(t.unsqueeze(1) for t in comp)
             return kernels.decode_attention(q, self.cells, tables, lengths, compensation=comp, scale=variant.scale,
-                                            softcap=variant.softcap, sinks=sinks)[0]
-        counts = query_start[1:] - query_start[:-1]
-        seq = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts,
-                                      output_size=q.shape[0])  # [T] (sized: no read back)
-        back = (query_start[1:] - 1)[seq] - torch.arange(seq.numel(), device=seq.device)  # tokens after each query
-        comp = None
-        if compensation is not None:
-            comp = tuple(t[seq].unsqueeze(1) for t in (compensation.keys, compensation.values, compensation.counts))
-        out, _ = kernels.decode_attention(q, self.cells, tables[seq], lengths[seq] - back, compensation=comp,
-                                          scale=variant.scale, softcap=variant.softcap,
-                                          sinks=None if sinks is None else sinks[seq])
-        return out
+                                            softcap=variant.softcap, sinks=sinks,
+                                            observe=None if observe is None else observe.view(-1, 1))[0]
+        if observe is not None:  # a bug: the worker asks observes() first
+            raise RuntimeError("attention is observed only where every sequence has one query row")
+        return kernels.prefill_attention(q, self.cells, tables, lengths, query_start, compensation=comp,
+                                         scale=variant.scale, softcap=variant.softcap, sinks=sinks,
+                                         max_rows=None if not query_rows else max(query_rows))[0]
 
+    def observes(self, group: int, query_rows: list[int]) -> bool:
+        """Sequences of one query row each: the decode kernel sums their attention as it attends."""
+        return bool(query_rows) and max(query_rows) == 1

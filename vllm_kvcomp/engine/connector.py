@@ -44,8 +44,10 @@ def paged_cache(
     """The worker's :class:`~vllm_kvcomp.engine.cache.PagedCache` class for this engine, after
     checking that every attention layer runs a kvcomp backend on a cache we can page.
 
-    ``layers`` maps layer name -> vLLM ``Attention`` module; raises ``NotImplementedError`` with
-    what to change otherwise.
+    ``layers`` maps layer name -> vLLM ``Attention`` module. A layer on a backend we do not hook
+    raises :class:`~vllm_kvcomp.engine.support.StartupError` (the engine does not start; the
+    message names the flag); a platform or cache we cannot page raises ``NotImplementedError``
+    with what to change (the engine serves uncompressed, saying why).
     """
     from vllm_kvcomp.engine.backends.common import KVCompAttentionMixin
 
@@ -57,11 +59,7 @@ def paged_cache(
     for name, layer in layers.items():
         impl = getattr(layer, "impl", None)
         if not isinstance(impl, KVCompAttentionMixin):
-            raise NotImplementedError(
-                f"layer {name} runs attention backend {type(impl).__name__}, which vllm-kvcomp does not "
-                "hook; supported: CPU_ATTN on CPU, FLASH_ATTN or TRITON_ATTN on CUDA "
-                "(pass --attention-backend FLASH_ATTN)"
-            )
+            raise support.StartupError(unhooked_backend(platform, name, vllm_compat.attention_backend_name(layer)))
         if getattr(layer, "sliding_window", None) is not None:
             raise NotImplementedError(
                 f"layer {name} uses sliding-window attention, whose mask counts absolute slots; "
@@ -78,6 +76,20 @@ def paged_cache(
         isa = next((vllm_compat.cpu_attention_isa(layer) for layer in layers.values()), "vec")
         return functools.partial(CpuPagedCache, isa=isa)
     return CudaPagedCache
+
+
+#: why vllm-kvcomp does not hook a backend vLLM may pick by itself (said when it refuses to start)
+NOT_HOOKED = {
+    "FLASHINFER": "vLLM's first choice on Blackwell; it plans its kernels on the host before vllm-kvcomp's hook "
+                  "trims rows",
+}
+
+
+def unhooked_backend(platform: str, layer_name: str, backend: str) -> str:
+    """Why the engine does not start when vLLM picked ``backend`` for a layer we compress."""
+    why = f" ({NOT_HOOKED[backend]})" if backend in NOT_HOOKED else ""
+    return (f"layer {layer_name} runs attention backend {backend}{why}, which vllm-kvcomp does not hook; "
+            f"{support.backend_fix(platform)}, {support.UNCOMPRESSED}")
 
 
 def attention_variants(layers: dict[str, Any], device: torch.device) -> dict[str, AttentionVariant]:
@@ -138,6 +150,8 @@ class KVCompConnector(KVConnectorBase_V1, SupportsHMA):
                 f"{configured!r}): it rewrites block tables and pages that another connector (MultiConnector, "
                 "LMCache, NIXL, offloading) would read or transfer as full-cache blocks. Use it alone."
             )
+        if (error := support.startup_error(vllm_config, vllm_compat.platform_kind())) is not None:
+            raise support.StartupError(error)
         super().__init__(vllm_config, role, kv_cache_config)
         block_size = vllm_config.cache_config.block_size
         self.group = compressible_group(kv_cache_config)
@@ -210,7 +224,11 @@ class KVCompConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.clear_step()
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        return None
+        """Model Runner V2 passes the batch's request ids in row order here, before the forward
+        (the scheduler half sets ``has_sync_kv_loads`` for steps with tracked requests); the V1
+        runner reports them through :func:`vllm_compat.report_batch_order`."""
+        if self.worker is not None and "request_ids" in kwargs:
+            self.worker.set_batch(kwargs["request_ids"], kwargs["scheduler_output"].num_scheduled_tokens)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None

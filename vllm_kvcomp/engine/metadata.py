@@ -1,7 +1,8 @@
 """Messages between the scheduler-side and worker-side halves of the kvcomp connector.
 
 Scheduler -> worker (every step, :class:`StepMetadata`): the compressed/tracked requests
-scheduled in this step, how to recognise their batch rows, their block ids, and which requests
+scheduled in this step (their batch rows come from the model runner's order, see
+:mod:`~vllm_kvcomp.engine.batch`), their block ids, and which requests
 were preempted or finished (their worker state must go).
 
 Worker -> scheduler (:class:`WorkerReport`): per request, the number of leading block-table
@@ -29,7 +30,6 @@ class ScheduledRequest:
     num_computed: int  # tokens in cache before this step
     num_scheduled: int  # tokens computed in this step
     block_ids: list[int]  # positional; freed columns hold the null block id
-    first_slot: int  # physical slot of the first scheduled token: identifies the batch row
     #: copy-on-compress (prefix caching on): the request's prompt blocks may be shared or cached, so
     #: its first compaction packs into ``spares`` (fresh blocks standing for the columns just
     #: below the compression point, last spare = last column), never into its own blocks

@@ -113,9 +113,7 @@ class RequestPages:
 
         Built again only when the tail's blocks changed since the last call (the same tensor is
         returned until then: read it, do not write it)."""
-        bs = self.geometry.block_size
-        ids = block_ids.tolist() if isinstance(block_ids, torch.Tensor) else block_ids
-        tail_blocks = tuple(ids[self.tail_col : ceil_div(seq_len, bs)])
+        tail_blocks = self.tail_blocks(block_ids, seq_len)
         if self._table is not None and self._table[0] == tail_blocks:
             return self._table[1]
         tail = self.geometry.page_ids(torch.tensor(tail_blocks, dtype=torch.long))  # [L, H, n_tail]
@@ -126,6 +124,11 @@ class RequestPages:
         table.scatter_(2, columns, tail)
         self._table = (tail_blocks, table)
         return table
+
+    def tail_blocks(self, block_ids: torch.Tensor | list[int], seq_len: int) -> tuple[int, ...]:
+        """The blocks of the tail (every head's pages from column ``tail_col`` on) at ``seq_len`` tokens."""
+        ids = block_ids.tolist() if isinstance(block_ids, torch.Tensor) else block_ids
+        return tuple(ids[self.tail_col : ceil_div(seq_len, self.geometry.block_size)])
 
     def positions(self, seq_len: int) -> torch.Tensor:
         """[L, H, N] logical positions of every head's virtual sequence when the request holds

@@ -1,13 +1,19 @@
 """Registration with vLLM (called by the ``vllm.general_plugins`` entry point, idempotent).
 
 - Attention backends: our subclasses are registered under vLLM's own names (``CPU_ATTN`` on CPU;
-  ``FLASH_ATTN`` and ``TRITON_ATTN`` on CUDA). Each behaves exactly like its parent unless the
-  kvcomp connector is active. Other backends (FlashInfer, MLA, ...) are refused by the connector.
+  ``FLASH_ATTN`` and ``TRITON_ATTN`` on CUDA), so vLLM's own choice selects them. Each behaves
+  exactly like its parent unless the kvcomp connector is active. An engine whose full-attention
+  layers get another backend (FLASHINFER, vLLM's first choice on Blackwell; FLEX_ATTENTION, ...)
+  does not start, the error naming ``--attention-backend`` (:mod:`~vllm_kvcomp.engine.support`);
+  MLA models are served uncompressed.
 - KV connector: registered as ``KVCompConnector``; enabling compression is the one engine
   argument ``kv_transfer_config=kv_transfer_config()``. vLLM's MultiConnector refuses to compose it
   with another connector (:data:`COMPOSED`).
 - Attention owners: which module holds each vLLM ``Attention`` layer, recorded as models are
   built, so the worker can read each layer's output projection (``criticalkv``).
+- Batch order: the V1 model runner tells the worker its request ids in row order before each
+  forward (Model Runner V2 passes them to the connector), so the worker never reads which rows
+  are its requests' from device tensors.
 """
 
 from __future__ import annotations
@@ -32,6 +38,14 @@ def register_with_vllm() -> None:
     vllm_compat.allow_max_model_len_beyond_kv_cache(long_prompts_allowed)
     vllm_compat.refuse_composition(CONNECTOR_NAME, COMPOSED)
     vllm_compat.track_attention_owners(uses_kvcomp)  # before any model is built: the worker reads o_proj
+    vllm_compat.report_batch_order(tell_worker_the_batch)
+
+
+def tell_worker_the_batch(req_ids: list[str], num_scheduled: Any) -> None:
+    """The V1 model runner's batch, before its forward (see :func:`vllm_compat.report_batch_order`)."""
+    worker = active_worker()
+    if worker is not None:
+        worker.set_batch(req_ids, num_scheduled)
 
 
 def uses_kvcomp(vllm_config: Any) -> bool:

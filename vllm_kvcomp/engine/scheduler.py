@@ -263,12 +263,13 @@ class KVCompScheduler:
                 num_computed=pos,
                 num_scheduled=num_scheduled,
                 block_ids=block_ids,
-                first_slot=block_ids[pos // self.block_size] * self.block_size + pos % self.block_size,
             )
             cow = self.cow.get(rid)
             if cow is not None and cow.state is not SpareState.SETTLED and pos + num_scheduled >= stats.prompt_len:
                 self._send_spares(rid, cow, scheduled, pos + num_scheduled)
             meta.requests.append(scheduled)
+        if meta.requests:  # Model Runner V2 then tells the worker the batch order before the forward
+            scheduler_output.has_sync_kv_loads = True
         return meta
 
     def _send_spares(self, rid: str, cow: CopyOnCompress, scheduled: ScheduledRequest, end: int) -> None:

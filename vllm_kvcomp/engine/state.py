@@ -90,6 +90,16 @@ class QueryWindow:
         self._start = self._stop - min(keep, self._stop - self._start)
         self.end = start + n
 
+    def wanted(self, start: int, n: int, drafts: int = 0) -> tuple[int, int]:
+        """Which of ``n`` queries of positions ``start..`` a :meth:`push` would keep: (first, count)
+        (the last ``size + drafts`` of those before ``limit``); the capture copies only those."""
+        if self.size <= 0:
+            return 0, 0
+        if self.limit is not None:
+            n = max(0, min(n, self.limit - start))
+        count = min(n, self.size + drafts)
+        return n - count, count
+
     def truncate(self, end: int) -> None:
         """Forget the queries of positions ``>= end`` (tokens the engine rolled back)."""
         if self.end <= end:
@@ -101,7 +111,7 @@ class QueryWindow:
 @dataclass
 class ObservedAttention:
     """The attention each cell of a request's virtual sequences received from its decode queries
-    since its last compression, as kvcomp's CPU kernel attended them (it adds each query's softmax
+    since its last compression, as kvcomp's decode kernel (CPU or Triton) attended them (it adds each query's softmax
     weights, the mean over a KV head's query heads): ``sums`` [L, H, capacity] float32 on the
     cache's device, cell v of head h of layer l at ``[l, h, v]`` (virtual order, like its page
     table), of the queries through position ``through`` (-1: none; before the first compression
@@ -150,8 +160,10 @@ class CompressedRequest:
     policy: Policy
     pages: RequestPages
     policy_state: RequestState = field(default_factory=RequestState)
-    windows: list[QueryWindow] = field(default_factory=list)
+    #: the last queries of every layer (``[w, L, H_q, D]`` rows); None: the policy reads none
+    window: QueryWindow | None = None
     compensation: list[Compensation | None] = field(default_factory=list)  # per layer
+    compensation_version: int = 0  # counts the compressions that changed :attr:`compensation`
     lifecycle: Lifecycle = field(default_factory=Lifecycle)  # phase, pending compression point, spares
     #: (tokens, longest head over every rank) at the end of the last decode step; None after a
     #: compression (until the next decode step's end)
@@ -159,6 +171,9 @@ class CompressedRequest:
     #: the decode queries' attention the kernel sums for a policy with ``OBSERVES_ATTENTION``
     #: (None: the policy does not read it, or the engine's kernel cannot sum it)
     observed: ObservedAttention | None = None
+    #: the longest head over every tensor-parallel rank less the request's length (0 until the
+    #: first compaction), agreed at each compression: a step computes ``live`` with no collective
+    longest_base: int = 0
 
     @property
     def compressed(self) -> bool:
@@ -192,6 +207,6 @@ class CompressedRequest:
             return False
         if not self.pages.compressed or drafts or self.live is None:
             return True
-        size = self.windows[0].size if self.windows else 0
+        size = self.window.size if self.window is not None else 0
         live = self.live[1] + end - self.live[0]
         return self.policy.due(self.policy_state, live + size - 1, self.lifecycle.steps_since + size)

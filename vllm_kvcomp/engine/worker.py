@@ -16,15 +16,25 @@ the KV buffer.
 from __future__ import annotations
 
 import copy
-import itertools
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from vllm_kvcomp.engine.cache import AttentionVariant, PagedCache, SequenceCompensation
+from vllm_kvcomp.engine.batch import (
+    Capture,
+    CompensationPlan,
+    PagedBatch,
+    Row,
+    StepCapture,
+    StepPlan,
+    StepTables,
+    batch_rows,
+    contiguous_decode,
+    send_plan,
+)
+from vllm_kvcomp.engine.cache import AttentionVariant, PagedCache
 from vllm_kvcomp.engine.lifecycle import Phase
 from vllm_kvcomp.engine.metadata import (
     CompressionEvent,
@@ -33,6 +43,7 @@ from vllm_kvcomp.engine.metadata import (
     WorkerReport,
 )
 from vllm_kvcomp.engine.pages import RequestPages
+from vllm_kvcomp.engine.staging import HostStaging
 from vllm_kvcomp.engine.state import CompressedRequest, ObservedAttention, QueryWindow
 from vllm_kvcomp.params import SpecError
 from vllm_kvcomp.policies.base import ONE_RANK, LayerKV, Ranks, RequestState, out_proj_heads
@@ -42,70 +53,6 @@ logger = logging.getLogger(__name__)
 
 PolicyBuilder = Callable[[CompressionSpec], object]
 NO_OUT_PROJ = "the engine read no output projection (o_proj)"
-
-
-@dataclass
-class Row:
-    """A tracked request's batch row: its query tokens ``[lo, hi)``."""
-
-    index: int
-    req_id: str
-    lo: int
-    hi: int
-
-
-@dataclass
-class Capture:
-    """A row whose query tokens ``[lo, hi)`` (positions from ``start``, the last ``drafts`` of
-    them draft tokens) every layer pushes into its request's window of that layer."""
-
-    windows: list[QueryWindow]
-    lo: int
-    hi: int
-    start: int
-    drafts: int
-
-
-@dataclass
-class PagedBatch:
-    """This step's virtual sequences of compressed rows, sequence s = (row, head) in row order."""
-
-    tables: torch.Tensor  # [L, S, W] int32 page ids
-    lengths: torch.Tensor  # [L, S] int32
-    query_start: torch.Tensor  # [S + 1] int32 query rows of each sequence in the gathered queries
-    gather: torch.Tensor | slice  # [T_seq] index into query.view(-1, G, D) (token * H_kv + head),
-    # or the slice it equals when contiguous (one query per row, adjacent rows: a view, no copy)
-    requests: list[CompressedRequest]
-    compensation: list[SequenceCompensation | None]  # per layer; None: no sequence has a token
-    memos: list[dict[str, object]]  # per layer; one dict shared by the layers with equal lengths (PagedCache.attend)
-    observe: torch.Tensor | None  # [L, S] int64 rows the kernel sums attention into (0 = none); None: no sequence
-
-
-@dataclass
-class TableLayout:
-    """The page tables of a step's compressed requests (in row order) as the kernel reads them,
-    kept while every request's table is the same tensor (:meth:`RequestPages.tables` builds a
-    new one only when its pages or tail blocks change: once a block in decode)."""
-
-    tables: list[torch.Tensor]  # each request's [L, H, W_r]
-    device_tables: torch.Tensor  # [L, S, W] int32 on the cache's device, sequence s = (request, head)
-    base: torch.Tensor  # [L, S] int64: each head's length less its request's length
-    groups: list[int]  # per layer: the first layer whose heads are all as long (kernel schedules shared)
-
-    @classmethod
-    def of(cls, tables: list[torch.Tensor], requests: list[CompressedRequest], num_layers: int,
-           device: torch.device) -> TableLayout:
-        width = max((t.shape[2] for t in tables), default=0)
-        padded = [torch.nn.functional.pad(t, (0, width - t.shape[2])) for t in tables]
-        joined = torch.cat(padded, dim=1) if padded else torch.zeros(num_layers, 0, 1, dtype=torch.long)
-        base = [s.pages.lengths(0) for s in requests]  # lengths(seq_len) = lengths(0) + seq_len
-        base = torch.cat(base, dim=1) if base else torch.zeros(num_layers, 0, dtype=torch.long)
-        first: dict[tuple[int, ...], int] = {}
-        groups = [first.setdefault(tuple(row), layer) for layer, row in enumerate(base.tolist())]
-        return cls(list(tables), joined.to(device, torch.int32), base, groups)
-
-    def holds(self, tables: list[torch.Tensor]) -> bool:
-        return len(tables) == len(self.tables) and all(a is b for a, b in zip(tables, self.tables))
 
 
 def _right_aligned(read: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
@@ -122,15 +69,6 @@ def _right_aligned(read: torch.Tensor, lengths: torch.Tensor, width: int) -> tor
     return out.view(heads, width, dim)
 
 
-def _contiguous(rows: list[Row], heads: int) -> slice | None:
-    """The slice of ``query.view(-1, G, D)`` that the rows' sequences read, when it is one run:
-    one query per row and adjacent rows (decode), sequence (row, head) = row.lo * heads + head.
-    From the rows' bounds alone (host ints: no tensor is read)."""
-    if not rows or any(r.hi - r.lo != 1 for r in rows) or any(b.lo != a.hi for a, b in itertools.pairwise(rows)):
-        return None
-    return slice(rows[0].lo * heads, rows[-1].hi * heads)
-
-
 class KVCompWorker:
     """Worker-side state for every tracked request of this worker."""
 
@@ -144,11 +82,12 @@ class KVCompWorker:
         self.cache: PagedCache | None = None
         self.requests: dict[str, CompressedRequest] = {}
         self.step: dict[str, ScheduledRequest] = {}
-        self._slot_to_req: dict[int, str] = {}
-        self._rows: list[Row] | None = None
-        self._captures: list[Capture] | None = None
-        self._batch: PagedBatch | None = None
-        self._layout: TableLayout | None = None  # the last step's compressed page tables
+        self._order: tuple[list[str], Mapping[str, int]] | None = None  # this step's batch (set_batch)
+        self._plan: StepPlan | None = None  # this step's plan, made at its first layer
+        self.capture = StepCapture()  # the queries this step's layers capture
+        self.staging: HostStaging | None = None  # made with the cache (its device)
+        self.tables: StepTables | None = None  # compressed rows' page tables, kept between steps
+        self._compensation_plan: CompensationPlan | None = None
         self.trimmed: list[tuple[object, object]] = []  # this step's (vLLM metadata, its trimmed copy)
         self._report = WorkerReport()
         self.variants: list[AttentionVariant] = []  # per compressed layer, as vLLM's kernel attends it
@@ -179,6 +118,8 @@ class KVCompWorker:
         self.num_model_layers = num_model_layers or max(self.model_layers) + 1
         self.cache = cache_cls([kv_caches[name] for name in order])
         self.variants = [variants[name] for name in order]
+        self.staging = HostStaging(self.cache.device)
+        self.tables = StepTables(self.num_layers, self.cache.device)
         if isinstance(out_proj, dict):  # views of the model's weights, no copy
             self.out_proj, self.no_out_proj = [out_proj_heads(out_proj[n], self.cache.head_dim) for n in order], None
         else:
@@ -207,10 +148,7 @@ class KVCompWorker:
         for rid in meta.dropped:
             self.requests.pop(rid, None)
         self.step = {r.req_id: r for r in meta.requests}
-        self._slot_to_req = {r.first_slot: r.req_id for r in meta.requests}
-        self._rows = None
-        self._captures = None
-        self._batch = None
+        self._plan = None
         self.trimmed = []
         for r in meta.requests:
             if r.req_id not in self.requests:
@@ -254,105 +192,114 @@ class KVCompWorker:
             policy=policy,
             pages=RequestPages(self.cache.geometry),
             policy_state=RequestState(prompt_len=context, ranks=self.ranks),
-            windows=[QueryWindow(w, limit) for _ in range(self.num_layers)],
+            window=QueryWindow(w, limit),
             compensation=[None] * self.num_layers,
             observed=ObservedAttention() if observes else None,
         )
 
-    def tracked_rows(self, query_start_loc: torch.Tensor, slot_mapping: torch.Tensor) -> list[Row]:
-        """Batch rows of tracked requests, found by the slot of each row's first new token (one
-        host read per step, cached)."""
-        if self._rows is None:
-            rows = []
-            if self._slot_to_req:
-                bounds = query_start_loc.tolist()
-                first_slots = slot_mapping[query_start_loc[:-1].long()].tolist()
-                for row, slot in enumerate(first_slots):
-                    rid = self._slot_to_req.get(int(slot))
-                    if rid is not None:
-                        rows.append(Row(row, rid, bounds[row], bounds[row + 1]))
-            self._rows = rows
-        return self._rows
+    def set_batch(self, order: Sequence[str], num_scheduled: Mapping[str, int]) -> None:
+        """This step's batch as the model runner laid it out: request ids in row order and each
+        one's scheduled tokens (host data, told before the forward: :mod:`~vllm_kvcomp.engine.batch`)."""
+        self._order = (list(order), num_scheduled)
 
-    def rows_to_recompute(self, query_start_loc: torch.Tensor, slot_mapping: torch.Tensor) -> list[int]:
-        """Rows this worker attends itself in every layer (their request reads packed pages)."""
-        return [r.index for r in self.tracked_rows(query_start_loc, slot_mapping) if self.requests[r.req_id].compressed]
-
-    # ------------------------------------------------------------------ attention
-    def after_attention(self, layer_name: str, query: torch.Tensor, output: torch.Tensor,
-                        query_start_loc: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Capture window queries and attend compressed rows (query/output [T, H_q, D])."""
-        layer = self.layer_index.get(layer_name)
-        if not self.step or layer is None:  # another KV-cache group's layer (e.g. sliding window)
-            return
-        rows = self.tracked_rows(query_start_loc, slot_mapping)
-        group = query.shape[1] // self.num_kv_heads
-        if self._batch is None:  # first: it tells which requests' attention the kernel cannot observe
-            self._batch = self._paged_batch([r for r in rows if self.requests[r.req_id].compressed], group)
-        batch = self._batch
-        if self._captures is None:
-            self._captures = self._capture_plan(rows)
-        for capture in self._captures:
-            capture.windows[layer].push(query[capture.lo : capture.hi], capture.start, capture.drafts)
-        if batch.requests:
-            flat_q, flat_out = query.reshape(-1, group, query.shape[2]), output.view(-1, group, output.shape[2])
-            out = self.cache.attend(flat_q[batch.gather], batch.tables[layer], batch.lengths[layer],
-                                    batch.query_start, self.variants[layer], batch.compensation[layer],
-                                    batch.memos[layer], None if batch.observe is None else batch.observe[layer])
-            flat_out[batch.gather] = out.to(output.dtype)
-
-    def _capture_plan(self, rows: list[Row]) -> list[Capture]:
-        """The rows whose queries this step's layers capture (:meth:`CompressedRequest.captures`),
-        made once per step so that each layer only copies."""
-        plan = []
-        for row in rows:
-            state, sched = self.requests[row.req_id], self.step[row.req_id]
-            end = sched.num_computed + sched.num_scheduled
-            if state.windows and state.windows[0].size and state.captures(end, sched.draft_tokens):
-                plan.append(Capture(state.windows, row.lo, row.hi, sched.num_computed, sched.draft_tokens))
-        return plan
-
-    def _paged_batch(self, rows: list[Row], group: int) -> PagedBatch:
-        """Page tables, query layout, compensation tokens and observed rows of this step's compressed rows
-        (built once per step, on the host, so that the layers read nothing back; the index
-        tensors in the kernels' int32, so that no layer converts them). The tables are reused
-        from the last step while no request's changed (:class:`TableLayout`)."""
+    def _step_plan(self, group: int) -> StepPlan:
+        """This step's plan (made at its first attention layer, then reused by every layer):
+        which rows are ours, what every layer captures, the compressed rows' sequences; its host
+        tensors reach the device in one staged transfer."""
+        plan = self._plan
+        if plan is not None:
+            return plan
+        if self._order is None:
+            raise RuntimeError("vllm-kvcomp: the model runner did not report this step's batch order "
+                               "(KVCompWorker.set_batch); this vLLM model runner is not supported")
+        rows = batch_rows(*self._order, self.step)
+        compressed = [r for r in rows if self.requests[r.req_id].compressed]
         heads = self.num_kv_heads
-        contiguous = _contiguous(rows, heads)
+        contiguous = contiguous_decode(compressed, heads)
         tables, ends, counts, gather, requests = [], [], [], [], []
-        for row in rows:
+        for row in compressed:
             sched, state = self.step[row.req_id], self.requests[row.req_id]
             end = sched.num_computed + sched.num_scheduled
-            tables.append(state.pages.tables(sched.block_ids, end))  # [L, H, W], the same tensor until it changes
+            tables.append((state.pages, sched.block_ids, end))
             ends.append(end)
             if contiguous is None:
                 tokens = torch.arange(row.lo, row.hi)
                 gather.append((tokens.view(1, -1) * heads + torch.arange(heads).view(-1, 1)).flatten())
             counts.extend([row.hi - row.lo] * heads)
             requests.append(state)
-        layout = self._layout
-        if layout is None or not layout.holds(tables):
-            layout = self._layout = TableLayout.of(tables, requests, self.num_layers, self.cache.device)
-        device = self.cache.device
-        all_lengths = layout.base + torch.tensor(ends, dtype=torch.long).repeat_interleave(heads)  # [L, S]
-        memos: dict[int, dict[str, object]] = {}
-        return PagedBatch(
-            tables=layout.device_tables,
-            lengths=all_lengths.to(device, torch.int32),
-            query_start=torch.cumsum(torch.tensor([0, *counts]), 0).to(device, torch.int32),
-            gather=contiguous or (torch.cat(gather) if gather else torch.zeros(0, dtype=torch.long)).to(device),
-            requests=requests,
-            compensation=self._compensation(requests, counts, all_lengths),
-            memos=[memos.setdefault(first, {}) for first in layout.groups],
-            observe=self._observe(requests, group, counts, all_lengths, ends),
+        index, pages, full, base = self.tables.update(tables)
+        ends_host = torch.tensor(ends, dtype=torch.long).repeat_interleave(heads)  # [S] each sequence's request's length
+        lengths_host = self.tables.base_host + ends_host  # [L, S]
+        compensation = self._compensation(requests)
+        observe = self._observe(requests, group, counts, lengths_host, ends)
+        capture_rows = self.capture.plan(self._captures(rows))  # after _observe: it may stop observing
+        sent = send_plan(
+            self.staging, recompute=torch.tensor([r.index for r in compressed], dtype=torch.long),
+            capture=capture_rows, ends=ends_host, query_start=torch.cumsum(torch.tensor([0, *counts]), 0).to(torch.int32),
+            gather=None if contiguous is not None or not gather else torch.cat(gather),
+            table_index=index, table_pages=pages, tables=full, base=base, observe=observe,
+            comp_keys=compensation.unsent[0], comp_values=compensation.unsent[1], comp_counts=compensation.unsent[2],
         )
+        self.tables.apply(sent["table_index"], sent["table_pages"], sent["tables"], sent["base"])
+        compensation.received((sent["comp_keys"], sent["comp_values"], sent["comp_counts"]))
+        if sent["capture"] is not None:
+            self.capture.source = sent["capture"]
+        memos: dict[int, dict[str, object]] = {}
+        batch = PagedBatch(
+            tables=self.tables.tables, lengths=(self.tables.base + sent["ends"]).to(torch.int32),
+            query_start=sent["query_start"], query_rows=counts,
+            gather=contiguous if contiguous is not None else sent["gather"], requests=requests,
+            compensation=compensation.layers(counts, lengths_host, self.block_size),
+            memos=[memos.setdefault(first, {}) for first in self.tables.groups], observe=sent["observe"],
+        )
+        self._plan = plan = StepPlan(rows, [r.index for r in compressed], sent["recompute"], batch)
+        return plan
+
+    def rows_to_recompute(self, group: int) -> tuple[list[int], torch.Tensor]:
+        """Rows this worker attends itself in every layer (their request reads packed pages): on
+        the host and on the device."""
+        plan = self._step_plan(group)
+        return plan.recomputed, plan.recompute_index
+
+    # ------------------------------------------------------------------ attention
+    def after_attention(self, layer_name: str, query: torch.Tensor, output: torch.Tensor) -> None:
+        """Capture window queries and attend compressed rows (query/output [T, H_q, D])."""
+        layer = self.layer_index.get(layer_name)
+        if not self.step or layer is None:  # another KV-cache group's layer (e.g. sliding window)
+            return
+        group = query.shape[1] // self.num_kv_heads
+        batch = self._step_plan(group).batch
+        self.capture.layer(layer, self.num_layers, query)
+        if batch.requests:
+            flat_q, flat_out = query.reshape(-1, group, query.shape[2]), output.view(-1, group, output.shape[2])
+            out = self.cache.attend(flat_q[batch.gather], batch.tables[layer], batch.lengths[layer],
+                                    batch.query_start, self.variants[layer], batch.compensation[layer],
+                                    batch.memos[layer], None if batch.observe is None else batch.observe[layer],
+                                    batch.query_rows)
+            flat_out[batch.gather] = out.to(output.dtype)
+
+    def _captures(self, rows: list[Row]) -> list[Capture]:
+        """The rows whose queries this step's layers capture (:meth:`CompressedRequest.captures`):
+        of each, the rows its window would keep (:meth:`QueryWindow.wanted`)."""
+        plan = []
+        for row in rows:
+            state, sched = self.requests[row.req_id], self.step[row.req_id]
+            end = sched.num_computed + sched.num_scheduled
+            window = state.window
+            if window is None or not window.size or not state.captures(end, sched.draft_tokens):
+                continue
+            first, count = window.wanted(sched.num_computed, row.hi - row.lo, sched.draft_tokens)
+            if count:
+                plan.append(Capture(window, row.lo + first, count, sched.num_computed + first, sched.draft_tokens,
+                                    truncate=sched.num_computed))
+        return plan
 
     def _observe(self, requests: list[CompressedRequest], group: int, query_rows: list[int],
                  lengths: torch.Tensor, ends: list[int]) -> torch.Tensor | None:
-        """[L, S] int64: the rows each sequence's attention is summed into this step (0 = none;
-        :class:`ObservedAttention`), or None where no request observes. A request the kernel cannot
-        observe this step (not one query row, or the C kernel does not attend) is observed no more
-        until its next compression (its window captures the queries from this step on)."""
+        """[L, S] int64 (host): the rows each sequence's attention is summed into this step (0 =
+        none; :class:`ObservedAttention`), or None where no request observes. A request the
+        kernel cannot observe this step (not one query row, or the C kernel does not attend) is
+        observed no more until its next compression (its window captures the queries from this step on)."""
         if not any(state.observed is not None and state.observed.active for state in requests):
             return None
         heads, kernel = self.num_kv_heads, self.cache.observes(group, query_rows)
@@ -368,35 +315,31 @@ class KVCompWorker:
                 observed.through, any_active = end - 1, True  # this step's query
         return torch.cat(parts, dim=1) if any_active else None  # none: the kernel may not be the C one
 
-    def _compensation(self, requests: list[CompressedRequest], query_rows: list[int],
-                      lengths: torch.Tensor) -> list[SequenceCompensation | None]:
-        """Per layer, the sequences' compensation tokens (count 0 = none) and which need a merge;
-        None where no sequence does (no token, no sinks)."""
-        every = [v.sinks is not None for v in self.variants]
-        if not any(every) and all(c is None for state in requests for c in state.compensation):
-            return [None] * self.num_layers
-        shape = (self.num_layers, len(requests), self.num_kv_heads)
-        k_hat, counts = torch.zeros(*shape, self.cache.head_dim), torch.zeros(shape)
-        v_hat = torch.zeros_like(k_hat)
-        for r, state in enumerate(requests):
-            for layer, comp in enumerate(state.compensation):
-                if comp is not None:
-                    k_hat[layer, r], v_hat[layer, r], counts[layer, r] = comp.keys, comp.values, comp.counts
-        return SequenceCompensation.plan(k_hat.flatten(1, 2), v_hat.flatten(1, 2), counts.flatten(1), query_rows,
-                                         lengths, self.block_size, self.cache.device, every)
+    def _compensation(self, requests: list[CompressedRequest]) -> CompensationPlan:
+        """The compensation tokens of the step's sequences (:class:`CompensationPlan`), made
+        again only when a request's tokens or the compressed rows changed."""
+        key = tuple((id(state), state.compensation_version) for state in requests)
+        plan = self._compensation_plan
+        if plan is None or plan.key != key:
+            every = [v.sinks is not None for v in self.variants]
+            plan = self._compensation_plan = CompensationPlan(key, requests, self.num_kv_heads, self.cache.head_dim,
+                                                              every)
+        return plan
 
     # ------------------------------------------------------------------ after the forward
     def finish_step(self) -> None:
         """Mark requests whose prefill just completed (compressed when the next step binds);
         compress those whose ``prefill=stream`` / ``block`` chunk left a head over its budget or
-        whose decode recompression is due."""
+        whose decode recompression is due. The queries the layers captured reach the windows first.
+        No collective: every rank knows the longest head of every rank (``longest_base``)."""
+        self.capture.push()
         for rid, sched in self.step.items():
             state = self.requests.get(rid)
             if state is None or not state.spec.compresses:
                 continue
             end = sched.num_computed + sched.num_scheduled
             policy, life = state.policy, state.lifecycle
-            live = int(self.ranks.reduce(int(state.pages.lengths(end).max()), max))  # over every rank's heads
+            live = state.longest_base + end  # over every rank's heads
             if life.phase is not Phase.DECODE:
                 if end >= sched.prompt_len:
                     life.prompt_complete(end)  # compressed when the next step binds (see bind)
@@ -415,12 +358,12 @@ class KVCompWorker:
     def _recompress_if_due(self, rid: str, state: CompressedRequest, sched: ScheduledRequest, end: int,
                            live: int | None = None) -> None:
         """Decode recompression at ``end`` tokens if the policy says it is due (``live``: the
-        longest head over every rank, read here when not given)."""
+        longest head over every rank)."""
         policy = state.policy
         if not policy.recompresses:
             return
         if live is None:
-            live = int(self.ranks.reduce(int(state.pages.lengths(end).max()), max))
+            live = state.longest_base + end
         if policy.due(state.policy_state, live, state.lifecycle.steps_since):
             self._compress(rid, state, sched, end, decode=True)
 
@@ -448,8 +391,8 @@ class KVCompWorker:
         inputs = []
         for layer, width in enumerate(lengths.amax(dim=1).tolist()):
             positions = every_position[layer, :, n - width :].contiguous()
-            window = state.windows[layer]
-            queries = None if window.queries is None else window.queries.transpose(0, 1)
+            window = state.window
+            queries = None if window.queries is None else window.queries[:, layer].transpose(0, 1)
             if reads:
                 keys, values = (None if x is None else _right_aligned(x[layer], lengths[layer], width)
                                 for x in (full_k, full_v))
@@ -478,6 +421,13 @@ class KVCompWorker:
             state.policy = state.spec.build_policy()
             state.observed = None
         state.lifecycle.compressed()
+        self._agree_on_longest(state)
+
+    def _agree_on_longest(self, state: CompressedRequest) -> None:
+        """After a compression (every rank compresses the request in the same step): the
+        longest head over every rank, less the request's length (one collective under tensor
+        parallelism; decode steps then compute it with no collective)."""
+        state.longest_base = int(self.ranks.reduce(int(state.pages.lengths(0).max()), max))
 
     @staticmethod
     def _copies(state: CompressedRequest, sched: ScheduledRequest) -> bool:
@@ -497,8 +447,7 @@ class KVCompWorker:
         state.live = None  # the heads' lengths change
         if not decode:
             state.policy.start_prefill_compression(state.policy_state)  # prefill=block: decides afresh
-        for window in state.windows:  # queries of rolled-back draft tokens (a no-op otherwise)
-            window.truncate(end)
+        state.window.truncate(end)  # queries of rolled-back draft tokens (a no-op otherwise)
         copies = self._copies(state, sched)
         snapshot = copy.deepcopy(state.policy_state) if copies else None
         block_ids = torch.tensor(sched.block_ids, dtype=torch.long)
@@ -542,7 +491,9 @@ class KVCompWorker:
         for layer, comp in enumerate(compensations):
             if comp is not None:  # the policy folds earlier entries in if it wants
                 state.compensation[layer] = comp
+        state.compensation_version += any(c is not None for c in compensations)
         state.lifecycle.compressed()
+        self._agree_on_longest(state)
         if state.observed is not None:  # the policy holds what was observed, by position
             state.observed.restart(end)
         state.policy_state.compressions += 1
@@ -562,8 +513,7 @@ class KVCompWorker:
 
     def clear_step(self) -> None:
         self.step = {}
-        self._slot_to_req = {}
-        self._rows = None
-        self._captures = None
-        self._batch = None
+        self._order = None
+        self._plan = None
+        self.capture.plan([])
         self.trimmed = []

@@ -1,5 +1,6 @@
 """The one dispatch point of vllm-kvcomp's kernels: paged decode attention on CUDA, Triton or
-torch, and CriticalKV's projected-value norms on Triton or torch.
+torch, multi-row (prefill chunk, draft rows) attention over packed pages on Triton or torch, and
+CriticalKV's projected-value norms on Triton or torch.
 
 Dispatch rule (``backend=None``):
 
@@ -31,12 +32,13 @@ from vllm_kvcomp.kernels.reference import (
     Compensation,
     decode_reference,
     head_starts,
+    prefill_reference,
     projected_l1_norms_reference,
 )
 from vllm_kvcomp.kernels.triton_jit.utils import interpreting
 
 BACKENDS: tuple[str, ...] = ("cuda", "triton", "torch")
-OPS: tuple[str, ...] = ("decode_attention", "projected_l1_norms")
+OPS: tuple[str, ...] = ("decode_attention", "prefill_attention", "projected_l1_norms")
 CUDA_HEAD_DIMS = (64, 128, 256)
 CUDA_MAX_GROUP = 16
 
@@ -92,6 +94,7 @@ def decode_attention(
     backend: str | None = None,
     softcap: float = 0.0,
     sinks: Tensor | None = None,
+    observe: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Decode attention of q [B, H_q, D] (one token per request, GQA: query head i reads KV head
     i // (H_q / H_kv)) over each head's slots ``[start[b, h], N_b)`` (start [B], [B, H_kv] or
@@ -101,19 +104,21 @@ def decode_attention(
     ``merge_attn_states`` (transpose to [H, T]). ``num_splits`` fixes the GPU key split count.
     The layer's variant as vLLM's kernels take it: ``softcap`` caps every logit (0 = off),
     ``sinks`` [H_q] or [B, H_q] are learned sink logits with a zero value (in the LSE). The CUDA
-    extension supports neither.
+    extension supports neither. ``observe`` [B, H_kv] int64: addresses of float32 rows (0 = none)
+    that get each cell's softmax weight among its head's cells, the mean over its query heads (H2O's
+    observed attention; not the CUDA extension; the torch path: CPU rows only).
     """
     batch, _, d = q.shape
     hk = kv_cache.shape[2]
     scale = d**-0.5 if scale is None else scale
     start_bh = head_starts(start, batch, hk, q.device)
     bt, sl = _i32(block_table), _i32(seq_lens)
-    plain = not softcap and sinks is None
+    plain = not softcap and sinks is None and observe is None
     # the extension's case check only where it is asked for (host time of every decode call)
     which = resolve_backend("decode_attention", q.device, backend,
                             backend != "cuda" or (plain and _cuda_supports(q, kv_cache)))
     if which == "torch":
-        out, lse = decode_reference(q, kv_cache, bt, sl, start_bh, compensation, scale, softcap, sinks)
+        out, lse = decode_reference(q, kv_cache, bt, sl, start_bh, compensation, scale, softcap, sinks, observe)
         return out, lse.float()
     if num_splits is None:
         num_splits = _default_splits(q.device, batch * hk)
@@ -124,8 +129,31 @@ def decode_attention(
         from vllm_kvcomp.kernels.triton_jit.decode import decode_attention as triton_decode
 
         return triton_decode(q, kv_cache, bt, sl, start_bh, k_hat, v_hat, counts, scale, num_splits,
-                             softcap=softcap, sinks=sinks)
+                             softcap=softcap, sinks=sinks, observe=observe)
     return _cuda_decode(q, kv_cache, bt, sl, start_bh, (k_hat, v_hat, counts), scale, num_splits)
+
+
+def prefill_attention(q: Tensor, kv_cache: Tensor, tables: Tensor, lengths: Tensor, query_start: Tensor,
+                      compensation: Compensation | None = None, scale: float | None = None, softcap: float = 0.0,
+                      sinks: Tensor | None = None, max_rows: int | None = None,
+                      backend: str | None = None) -> tuple[Tensor, Tensor]:
+    """Causal attention of S sequences of one KV head (kv_cache [P, bs, 1, 2D]) and G query heads
+    each: q [T_total, G, D], sequence s owns rows ``query_start[s]:query_start[s+1]``, the last T
+    of its ``lengths[s]`` cells in pages ``tables[s]`` (a prefill chunk, draft rows); optional
+    compensation ``(k_hat [S, D], v_hat [S, D], counts [S])`` and ``sinks`` [S, G]. One Triton
+    launch for every sequence (no CUDA extension); ``max_rows`` (a host int, the most rows of a
+    sequence) only sizes the tile. Returns out [T_total, G, D] (q's dtype) and lse [T_total, G]
+    float32."""
+    which = resolve_backend("prefill_attention", q.device, backend, cuda_ok=False)
+    tables, lengths, query_start = _i32(tables), _i32(lengths), _i32(query_start)
+    if which == "torch":
+        out, lse = prefill_reference(q, kv_cache, tables, lengths, query_start, compensation, scale, softcap, sinks)
+        return out, lse.float()
+    from vllm_kvcomp.kernels.triton_jit.prefill import prefill_attention as triton_prefill
+
+    k_hat, v_hat, counts = compensation if compensation is not None else (None, None, None)
+    return triton_prefill(q, kv_cache, tables, lengths, query_start, k_hat, v_hat, counts, scale, softcap, sinks,
+                          max_rows)
 
 
 def projected_l1_norms(values: Tensor, weight: Tensor, dtype: torch.dtype | None = None,
@@ -207,4 +235,5 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-__all__ = ["BACKENDS", "cuda_extension_available", "decode_attention", "projected_l1_norms", "resolve_backend"]
+__all__ = ["BACKENDS", "cuda_extension_available", "decode_attention", "prefill_attention", "projected_l1_norms",
+           "resolve_backend"]

@@ -11,6 +11,7 @@ into the token axis, so GQA never repeats keys.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
@@ -19,6 +20,7 @@ from vllm_kvcomp.policies.compensation import (
     attention_with_lse,
     compensation_lse,
     merge_partials,
+    soft_cap,
     with_sinks,
 )
 
@@ -87,6 +89,7 @@ def decode_reference(
     scale: float | None = None,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    observe: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention of q [B, H_q, D] over each KV head's slots ``[start[b, h], N_b)``.
 
@@ -97,6 +100,8 @@ def decode_reference(
     ``softcap`` caps every logit, the token's too (0 = off); ``sinks`` [H_q] or [B, H_q] are
     learned sink logits with a zero value (counted in the LSE). Computes in float32 (float64 when q is float64). Returns out [B, H_q, D] in q's dtype and
     lse [B, H_q] (natural log, -inf when nothing is attended; float32, float64 for float64 q).
+    ``observe`` [B, H_kv] int64 (CPU tensors only): addresses of float32 rows (0 = none) that get
+    :func:`observed_weights_reference` added (the Triton kernel's ``observe``).
     """
     batch, hq, d = q.shape
     hk = kv_cache.shape[2]
@@ -120,7 +125,55 @@ def decode_reference(
         per_row = sinks.to(device=q.device, dtype=acc).expand(batch, hq)
         out, lse = with_sinks(out, lse, per_row.reshape(batch * hk, group).transpose(0, 1))
     out = out.transpose(0, 1).reshape(batch, hq, d).to(q.dtype)
+    if observe is not None:
+        weights = observed_weights_reference(q, kv_cache, block_table, seq_lens, starts, scale, softcap)
+        add_to_rows(observe, weights, seq_lens)
     return out, lse.transpose(0, 1).reshape(batch, hq)
+
+
+def observed_weights_reference(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    start: torch.Tensor | int | None = None,
+    scale: float | None = None,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """[B, H_kv, N_max]: at slot i of KV head h of request b, the softmax weight of that cell
+    among the head's cells ``[start[b, h], N_b)`` alone (soft-capped logits where ``softcap``; no
+    compensation token, no sink), the mean over the head's G query heads; 0 at the other slots.
+    What H2O accumulates (``observe``). Arguments as :func:`decode_reference`; float32 (float64
+    for float64 q)."""
+    batch, hq, d = q.shape
+    hk = kv_cache.shape[2]
+    if hq % hk:
+        raise ValueError(f"{hq} query heads do not group over {hk} KV heads")
+    scale = d**-0.5 if scale is None else scale
+    acc = accumulation_dtype(q.dtype)
+    keys, _, visible = gather_heads(kv_cache, block_table, seq_lens, head_starts(start, batch, hk, q.device))
+    qg = q.to(acc).reshape(batch * hk, hq // hk, d)  # [B·H_kv, G, D]
+    logits = soft_cap(torch.einsum("sgd,nsd->sgn", qg, keys.to(acc)) * scale, softcap)
+    logits = logits.masked_fill(~visible.unsqueeze(1), float("-inf"))
+    weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a head with no cell: 0 everywhere
+    return weights.mean(dim=1).view(batch, hk, -1)
+
+
+def add_to_rows(addresses: torch.Tensor, weights: torch.Tensor, lengths: torch.Tensor) -> None:
+    """Add ``weights[b, h, :lengths[b]]`` ([B, H, N]) to the float32 row at ``addresses[b, h]``
+    ([B, H] int64, 0 = none; a row holds at least ``lengths[b]`` floats), as the kernels'
+    ``observe`` does: host memory only."""
+    if addresses.dtype != torch.int64 or addresses.shape != weights.shape[:2]:
+        raise ValueError(f"observe must be int64 [B, H_kv] = {list(weights.shape[:2])}, got "
+                         f"{addresses.dtype} {list(addresses.shape)}")
+    if addresses.device.type != "cpu" or weights.device.type != "cpu":
+        raise ValueError("the torch reference adds observed weights to CPU rows only; on a GPU use the "
+                         "Triton backend")
+    for b, (row_addresses, n) in enumerate(zip(addresses.tolist(), lengths.tolist())):
+        for h, address in enumerate(row_addresses):
+            if address and n:
+                row = torch.frombuffer((ctypes.c_float * n).from_address(address), dtype=torch.float32)
+                row += weights[b, h, :n].to(torch.float32)
 
 
 #: elements of one [H_q, rows, hidden] product block of :func:`projected_l1_norms_reference` (bounds its memory)
@@ -145,3 +198,30 @@ def projected_l1_norms_reference(values: torch.Tensor, weight: torch.Tensor,
         out[:, start:start + rows] = projected.abs().sum(dim=-1, dtype=acc).view(hk, group, -1).mean(dim=1)
     return out
 
+
+def prefill_reference(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    query_start: torch.Tensor,
+    compensation: Compensation | None = None,
+    scale: float | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of S sequences of one KV head: :func:`decode_reference` per query row.
+
+    q [T_total, G, D]; sequence s owns rows ``query_start[s]:query_start[s + 1]`` ([S + 1]), the
+    last T of its ``lengths[s]`` cells, its pages ``tables[s]`` of kv_cache [num_pages, bs, 1, 2D];
+    row t of T sees cells ``< lengths[s] - (T - 1 - t)``. ``compensation = (k_hat [S, D],
+    v_hat [S, D], counts [S])``, ``sinks`` [S, G], ``softcap`` as in :func:`decode_reference`.
+    Returns out [T_total, G, D] in q's dtype and lse [T_total, G] (float64 for float64 q).
+    """
+    rows = (query_start[1:] - query_start[:-1]).long().to(q.device)
+    seq = torch.repeat_interleave(torch.arange(rows.numel(), device=q.device), rows, output_size=q.shape[0])
+    after = (query_start[1:].long().to(q.device) - 1)[seq] - torch.arange(q.shape[0], device=q.device)
+    ends = (lengths.long().to(q.device)[seq] - after).clamp(min=0)  # row i sees cells [0, ends[i])
+    comp = None if compensation is None else tuple(t.to(q.device)[seq].unsqueeze(1) for t in compensation)
+    return decode_reference(q, kv_cache, tables.to(q.device)[seq], ends, None, comp, scale, softcap,
+                            None if sinks is None else sinks.to(q.device)[seq])

@@ -7,11 +7,12 @@ attention of the window queries not yet counted (``query_positions`` above the l
 one), then keeps the ``window`` most recent tokens plus the heaviest hitters. Recompresses
 during decode every ``interval`` steps.
 
-Every decode query counts: at a decode recompression the engine's CPU kernel hands over the
-attention each slot received from every decode query since the last compression
-(``LayerKV.observed``, summed as it attended them, :class:`~vllm_kvcomp.engine.state.ObservedAttention`),
-and nothing is read back or attended again. Where it cannot (the GPU kernels, soft-capped or sink
-layers, a speculative step with drafts) the engine gives the last ``max(window, interval)``
+Every decode query counts: at a decode recompression the engine's decode kernel (the CPU C
+kernel, the Triton kernel on a GPU) hands over the attention each slot received from every
+decode query since the last compression (``LayerKV.observed``, summed as it attended them,
+:class:`~vllm_kvcomp.engine.state.ObservedAttention`), and nothing is read back or attended
+again. Where it cannot (soft-capped or sink layers, a step with several query rows: drafts, a
+chunk attended next to it) the engine gives the last ``max(window, interval)``
 queries, the fresh ones of which count: decode queries older than those are then missed.
 
 Deviation: the paper accumulates over *every* query; prefill contributes only its last ``window``

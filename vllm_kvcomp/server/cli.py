@@ -14,8 +14,12 @@ vLLM's own OpenAI server, parsed by vLLM's argument parser and run in this proce
   (``--kv-cache-memory-bytes``; vLLM's ``--gpu-memory-utilization`` is a share of one NUMA
   node's memory that must also hold the weights and the runtime, which rarely fits by default).
 
-- on a GPU: ``--attention-backend FLASH_ATTN`` (kvcomp hooks FLASH_ATTN and TRITON_ATTN; vLLM
-  would pick FlashInfer on Blackwell, which the connector refuses).
+- on a GPU: vLLM's own defaults, its attention backend choice included. kvcomp hooks FLASH_ATTN
+  and TRITON_ATTN: flags under which it cannot compress (another ``--attention-backend``,
+  attention-output quantisation fused into attention, micro-batching, context parallelism) are
+  refused here, before vLLM starts; a backend vLLM picks that kvcomp does not hook (FLASHINFER on
+  Blackwell) is refused when the engine starts, naming the ``--attention-backend`` to pass
+  (docs/compatibility.md lists every case).
 
 A flag given explicitly always wins over these defaults (``--gpu-memory-utilization`` replaces
 the KV cache default).
@@ -30,24 +34,47 @@ from pathlib import Path
 from typing import Any
 
 from vllm_kvcomp import vllm_compat
+from vllm_kvcomp.engine import support
 from vllm_kvcomp.engine.plugin import CONNECTOR_NAME, kv_transfer_config
 from vllm_kvcomp.models import ModelError, resolve_model, served_name
 from vllm_kvcomp.server.operator_config import ConfigError, OperatorConfig
 
 DESCRIPTION = "vLLM's OpenAI-compatible server with per-request KV-cache compression (docs/server.md)."
+KVCOMP_GROUP = "vllm-kvcomp's own flags; every other flag is vLLM's ('--help=all' lists them)"
 MIDDLEWARE = "vllm_kvcomp.server.middleware.KVCompressionMiddleware"
 CPU_MAX_MODEL_LEN = 8192
 CPU_KV_CACHE_BYTES = 4 << 30
 CPU_KV_SHARE_OF_FREE = 0.25
-GPU_ATTENTION_BACKEND = "FLASH_ATTN"  # one of engine.plugin.backend_overrides("cuda")
 # vLLM flags whose default depends on the platform; parsed with None meaning "not given".
 PLATFORM_FLAGS = ("dtype", "enforce_eager", "max_model_len", "gpu_memory_utilization")
+
+
+def epilog() -> str:
+    """``vllm-kvcomp serve --help``'s end: MODEL's fetchable names and examples."""
+    from vllm_kvcomp.models import GEMMA3_270M, MODEL_NAME, SOURCES
+
+    return "\n".join([
+        "MODEL: a Hugging Face name or folder, or a fetchable name (fetched on first use):",
+        *(f"  {name:<22} {source.summary}" for name, source in SOURCES.items()),
+        f"Without MODEL: {MODEL_NAME}.",
+        "",
+        "examples (configs/ is in the repository and in the images, /opt/vllm-kvcomp/configs):",
+        "  vllm-kvcomp serve --port 8000",
+        "  vllm-kvcomp serve --port 8000 --kv-compression-config configs/snapkv.yaml",
+        f"  vllm-kvcomp serve {GEMMA3_270M} --port 8000 --kv-compression-config configs/lagkv.yaml",
+        "  vllm-kvcomp serve --help=kvcomp",
+        "",
+        "then: curl -s localhost:8000/v1/completions -H 'X-KV-Compression: policy=snapkv; ratio=0.25' \\",
+        "        -H 'Content-Type: application/json' \\",
+        f"        -d '{{\"model\": \"{MODEL_NAME}\", \"prompt\": \"The capital of France is\", \"max_tokens\": 8}}'",
+    ])
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
     """vLLM's serve parser plus ``--kv-compression-config``; also vLLM's own platform defaults."""
     parser = vllm_compat.serve_parser("vllm-kvcomp serve", DESCRIPTION)
-    group = parser.add_argument_group("kvcomp")
+    parser.epilog = epilog()
+    group = parser.add_argument_group("kvcomp", KVCOMP_GROUP)
     group.add_argument(
         "--kv-compression-config", metavar="PATH", default=None,
         help="operator compression config (YAML, see docs/operator_config.md); default: no "
@@ -67,6 +94,9 @@ def prepare(args: argparse.Namespace, vllm_defaults: dict[str, Any], on_cpu: boo
     """Fill in the model, platform defaults, connector, middleware and the checked config path."""
     from vllm.config import KVTransferConfig
 
+    refused = flag_error(args, "cpu" if on_cpu else "cuda")
+    if refused is not None:  # before a model is fetched
+        raise ValueError(refused)
     requested = args.model_tag or args.model
     args.model = resolve_model(requested)
     if args.served_model_name is None and served_name(requested) != args.model:  # else vLLM's default
@@ -77,8 +107,6 @@ def prepare(args: argparse.Namespace, vllm_defaults: dict[str, Any], on_cpu: boo
         if args.gpu_memory_utilization is None and args.kv_cache_memory_bytes is None:
             engines = (args.data_parallel_size or 1) * (args.tensor_parallel_size or 1)
             args.kv_cache_memory_bytes = cpu_kv_cache_bytes(engines)
-    elif args.attention_backend is None:
-        args.attention_backend = GPU_ATTENTION_BACKEND
     for name in PLATFORM_FLAGS:
         if getattr(args, name) is None:
             setattr(args, name, defaults[name])
@@ -96,6 +124,15 @@ def prepare(args: argparse.Namespace, vllm_defaults: dict[str, Any], on_cpu: boo
     if MIDDLEWARE not in args.middleware:
         args.middleware.append(MIDDLEWARE)
     args.model_tag = args.model  # vLLM's serve command loads model_tag when it is set
+
+
+def flag_error(args: argparse.Namespace, platform: str) -> str | None:
+    """The start-up refusals of :mod:`vllm_kvcomp.engine.support` that the parsed flags already
+    settle; the CUDA graph mode vLLM resolves and the backend it picks are checked as the engine starts."""
+    attention = args.attention_config
+    return (support.forced_backend_error(platform, args.attention_backend or attention.backend,
+                                         attention.backend_per_kind)
+            or support.output_fusion_error(args.compilation_config.pass_config) or support.parallel_error(args))
 
 
 def cpu_defaults(model: str) -> dict[str, Any]:

@@ -25,21 +25,21 @@ def trim_rows(
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
     query_start_loc: torch.Tensor,
-    rows: list[int],
+    rows: torch.Tensor,
     block_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """New (seq_lens [B], block_table [B, W]) where each row in ``rows`` starts at the block of
-    its first new token: its table shifted left by ``skip`` columns, its length cut by
-    ``skip * block_size``. Inputs are not modified; works on any device without host reads."""
+    """New (seq_lens [B], block_table [B, W]) where each row in ``rows`` (an index on their
+    device) starts at the block of its first new token: its table shifted left by ``skip``
+    columns, its length cut by ``skip * block_size``. Inputs are not modified; device ops only
+    (nothing read back, nothing copied from the host)."""
     seq_lens, table = seq_lens.clone(), block_table.clone()
-    idx = torch.tensor(rows, device=seq_lens.device, dtype=torch.long)
-    query_lens = query_start_loc[idx + 1] - query_start_loc[idx]
-    skip = ((seq_lens[idx] - query_lens) // block_size).long()  # [R]
+    query_lens = query_start_loc[rows + 1] - query_start_loc[rows]
+    skip = ((seq_lens[rows] - query_lens) // block_size).long()  # [R]
     width = table.shape[1]
     cols = torch.arange(width, device=table.device).unsqueeze(0) + skip.unsqueeze(1)  # [R, W]
-    shifted = block_table[idx].gather(1, cols.clamp(max=width - 1))
-    table[idx] = torch.where(cols < width, shifted, torch.zeros_like(shifted))
-    seq_lens[idx] = seq_lens[idx] - (skip * block_size).to(seq_lens.dtype)
+    shifted = block_table[rows].gather(1, cols.clamp(max=width - 1))
+    table[rows] = torch.where(cols < width, shifted, torch.zeros_like(shifted))
+    seq_lens[rows] = seq_lens[rows] - (skip * block_size).to(seq_lens.dtype)
     return seq_lens, table
 
 
@@ -52,13 +52,15 @@ class KVCompAttentionMixin:
         if worker is None or attn_metadata is None or not worker.step or layer.layer_name not in worker.layer_index:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)
+        if output_scale is not None or output_block_scale is not None:  # refused at start-up (support.py)
+            raise RuntimeError("vllm-kvcomp: fused attention-output quantisation reached a compressed layer; "
+                               "pass -cc.pass_config.fuse_attn_quant=false")
         kernel_metadata = self._kernel_metadata(worker, layer, query.dtype, attn_metadata)
         if kernel_metadata is not None:
             output = super().forward(layer, query, key, value, kv_cache, kernel_metadata, output, output_scale,
                                      output_block_scale)
         n = attn_metadata.num_actual_tokens
-        worker.after_attention(layer.layer_name, query[:n], output[:n], attn_metadata.query_start_loc,
-                               attn_metadata.slot_mapping)
+        worker.after_attention(layer.layer_name, query[:n], output[:n])
         return output
 
     def _kernel_metadata(self, worker, layer, dtype: torch.dtype, meta):
@@ -67,12 +69,12 @@ class KVCompAttentionMixin:
         for seen, trimmed in worker.trimmed:  # by identity: one entry per metadata object of the step
             if seen is meta:
                 return trimmed
-        rows = worker.rows_to_recompute(meta.query_start_loc, meta.slot_mapping)
+        rows, index = worker.rows_to_recompute(self.num_heads // self.num_kv_heads)
         trimmed = meta
-        if rows and len(rows) == meta.query_start_loc.numel() - 1:
+        if rows and len(rows) == meta.query_start_loc.shape[0] - 1:
             trimmed = None
         elif rows:
-            seq_lens, table = trim_rows(meta.seq_lens, meta.block_table, meta.query_start_loc, rows,
+            seq_lens, table = trim_rows(meta.seq_lens, meta.block_table, meta.query_start_loc, index,
                                         worker.block_size)
             trimmed = self.with_lengths(layer, dtype, meta, seq_lens, table)
         worker.trimmed.append((meta, trimmed))
