@@ -44,6 +44,9 @@ READS = {"item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "
 class OnDevice(torch.Tensor):
     """A tensor that would live on the GPU."""
 
+    def __deepcopy__(self, memo):  # a recompression keeps a copy of the policy's state
+        return self.as_subclass(torch.Tensor).clone().as_subclass(OnDevice)
+
 
 def on_device(t):
     return t.as_subclass(OnDevice) if isinstance(t, torch.Tensor) and not isinstance(t, OnDevice) else t

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from tests.engine.conftest import BLOCK_SIZE, generate, params, prompt_ids
+from tests.engine.conftest import BLOCK_SIZE, generate, params, prompt_ids, token_logprobs
+from tests.engine.test_allocation_failures import RefusingAllocator, arm
 
 pytestmark = pytest.mark.engine
 
@@ -116,3 +117,20 @@ def test_preemption_recompresses_and_leaks_nothing(engine):
     assert recompressed, "no compressed request was preempted"
     _drain(engine)
     _assert_clean(engine, free0)
+
+
+def test_a_compression_without_memory_serves_the_uncompressed_answer(engine, monkeypatch):
+    """The engine on the tiny test model: the prompt-end compression's allocator refuses its 5th
+    allocation; the request is served uncompressed and its tokens and logprobs are the full
+    cache's (the prompt is in the prefix cache: the compression was a copy-on-compress one)."""
+    prompt = prompt_ids(400, seed=211)
+    full = generate(engine, [prompt], params(max_tokens=12))[0]
+    arm(monkeypatch, (False, 0), RefusingAllocator(5))
+    out = generate(engine, [prompt], params(max_tokens=12, policy="snapkv", ratio=0.25))[0]
+    stats = out.kv_transfer_params["kvcomp"]
+    assert stats["applied"] == "none" and stats["compression_failures"] == 1, stats
+    assert out.outputs[0].token_ids == full.outputs[0].token_ids
+    assert max(abs(a - b) for a, b in zip(token_logprobs(out), token_logprobs(full))) <= 1e-4
+    monkeypatch.undo()
+    again = generate(engine, [prompt_ids(400, seed=212)], params(max_tokens=4, policy="snapkv", ratio=0.25))[0]
+    assert again.kv_transfer_params["kvcomp"]["compressions"] == 1  # the engine compresses on

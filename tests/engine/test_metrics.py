@@ -64,10 +64,22 @@ def test_finished_requests_feed_the_request_series_of_their_engine(registry):
     assert value(registry, "vllm:kvcomp_requests_compressed_total", **{**labels, "engine": "1"}) == 1
 
 
+def test_failed_compressions_are_counted_by_policy_and_reason(registry):
+    series = build(registry)
+    failures = [{"policy": "h2o", "reason": "memory"}, {"policy": "h2o", "reason": "memory"},
+                {"policy": "snapkv", "reason": "error"}]
+    series.observe({"failures": failures}, engine_idx=0)
+    labels = {"model_name": "tiny", "engine": "0"}
+    assert value(registry, "vllm:kvcomp_compression_failures_total", **labels, policy="h2o", reason="memory") == 2
+    assert value(registry, "vllm:kvcomp_compression_failures_total", **labels, policy="snapkv", reason="error") == 1
+
+
 def test_stats_aggregate_across_steps_and_keep_the_latest_gauges():
     a = KVCompStats(data={"events": [event("snapkv", 10, 5, 0.1)], "finished": [], "gauges": {"held_blocks": 3}})
-    b = KVCompStats(data={"events": [], "finished": [{"policy": "snapkv"}], "gauges": {"held_blocks": 2}})
+    b = KVCompStats(data={"events": [], "finished": [{"policy": "snapkv"}], "gauges": {"held_blocks": 2},
+                          "failures": [{"policy": "h2o", "reason": "memory"}]})
     merged = a.aggregate(b)
-    assert merged.reduce() == {"compressions": 1, "tokens_evicted": 30, "finished": 1, "held_blocks": 2}
+    assert merged.reduce() == {"compressions": 1, "tokens_evicted": 30, "finished": 1, "failures": 1, "held_blocks": 2}
     assert not merged.is_empty()
+    assert not KVCompStats(data={"failures": [{"policy": "h2o", "reason": "memory"}]}).is_empty()
     assert KVCompStats(data={}).is_empty()

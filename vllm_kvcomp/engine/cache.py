@@ -228,7 +228,8 @@ class CpuPagedCache(PagedCache):
     def move(self, move: Move) -> None:
         """Gathered into the buffers :meth:`read_pages` reuses (a decode recompression of H2O at
         8K moves ~170K cells: fresh buffers of that size cost more in page faults than the copy),
-        then written: keys by (page, :, offset), values as rows of :attr:`value_rows`."""
+        then written: keys by (page, :, offset), values as rows of :attr:`value_rows`. Nothing is
+        allocated once the first write began (an allocation failure leaves the cache as it was)."""
         if len(move):
             d, n = self.head_dim, len(move)
             src_pages, src_offsets = move.src_pages.to(self.device), move.src_offsets.to(self.device)
@@ -236,8 +237,9 @@ class CpuPagedCache(PagedCache):
             keys, values = self.scratch("keys_t", (n, d)), self.scratch("values", (n, d))
             torch.ops.aten.index.Tensor_out(self.keys_t, [src_pages, None, src_offsets], out=keys)
             torch.index_select(self.value_rows, 0, self.value_row(src_pages, src_offsets), out=values)
+            dst_rows = self.value_row(dst_pages, dst_offsets)  # every allocation before the first write
             self.keys_t[dst_pages, :, dst_offsets] = keys
-            self.value_rows.index_copy_(0, self.value_row(dst_pages, dst_offsets), values)
+            self.value_rows.index_copy_(0, dst_rows, values)
 
     def read_pages(self, pages: torch.Tensor, values: bool = True) -> Tensors:
         bs, d, flat = self.geometry.block_size, self.head_dim, pages.reshape(-1)

@@ -78,6 +78,9 @@ class WorkerReport(KVConnectorWorkerMetadata):
     #: req_id -> why the worker serves that request uncompressed (a missing profile, a policy
     #: reading an output projection the model lacks)
     uncompressed: dict[str, str] = field(default_factory=dict)
+    #: req_id -> a compression of that request that stopped before writing: "memory" (the
+    #: allocator refused) or "error" (a bug); the request was left as it was
+    failed: dict[str, str] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> WorkerReport:
         """One report for all tensor-parallel ranks: a block is free only if every rank freed it;
@@ -102,4 +105,4 @@ class WorkerReport(KVConnectorWorkerMetadata):
         for rid, n in other.spares_needed.items():
             needed[rid] = max(n, needed.get(rid, n))
         return WorkerReport(merged, list(events.values()), copied, needed, self.unavailable or other.unavailable,
-                            {**other.uncompressed, **self.uncompressed})
+                            {**other.uncompressed, **self.uncompressed}, {**other.failed, **self.failed})

@@ -5,7 +5,7 @@ Data path (vLLM's own connector-stats route, no side channel): every engine step
 half returns :class:`KVCompStats` from ``get_kv_connector_stats``; vLLM ships them to the API
 server, whose Prometheus logger calls :meth:`KVCompPromMetrics.observe` with the engine index.
 A stats payload is ``{"events": [CompressionEvent as dict], "finished": [RequestStats params],
-"gauges": {name: value}}``; the server only exports what it receives.
+"failures": [{"policy", "reason"}], "gauges": {name: value}}``; the server only exports what it receives.
 
 Series (labels ``model_name``, ``engine`` as vLLM's own; per-policy series add ``policy``):
 
@@ -14,6 +14,8 @@ Series (labels ``model_name``, ``engine`` as vLLM's own; per-policy series add `
 - ``vllm:kvcomp_tokens_evicted_total``      evicted (layer, head, token) cells
 - ``vllm:kvcomp_compression_seconds``       histogram, time of one compression
 - ``vllm:kvcomp_achieved_ratio``            histogram, kept / live tokens of one compression
+- ``vllm:kvcomp_compression_failures_total`` compressions that stopped before writing, by ``reason``
+  (``memory``: the allocator refused; ``error``): the request was left as it was, the engine serves on
 - ``vllm:kvcomp_saved_blocks``              gauge, blocks currently freed early
 - ``vllm:kvcomp_held_blocks``               gauge, blocks held by running compressed requests
 - ``vllm:kvcomp_uncompressed_blocks``       gauge, blocks the same requests would hold uncompressed
@@ -44,7 +46,8 @@ class KVCompStats(KVConnectorStats):
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVCompStats:
-        merged = {key: [*self.data.get(key, ()), *other.data.get(key, ())] for key in ("events", "finished")}
+        merged = {key: [*self.data.get(key, ()), *other.data.get(key, ())]
+                  for key in ("events", "finished", "failures")}
         merged["gauges"] = {**self.data.get("gauges", {}), **other.data.get("gauges", {})}
         return KVCompStats(data=merged)
 
@@ -54,11 +57,12 @@ class KVCompStats(KVConnectorStats):
             "compressions": len(events),
             "tokens_evicted": sum(e["tokens_evicted"] for e in events),
             "finished": len(self.data.get("finished", ())),
+            "failures": len(self.data.get("failures", ())),
             **self.data.get("gauges", {}),
         }
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(key) for key in ("events", "finished", "gauges"))
+        return not any(self.data.get(key) for key in ("events", "finished", "failures", "gauges"))
 
 
 class KVCompPromMetrics(KVConnectorPromMetrics):
@@ -95,6 +99,12 @@ class KVCompPromMetrics(KVConnectorPromMetrics):
             labelnames=by_policy,
             buckets=RATIO_BUCKETS,
         )
+        self.compression_failures = self._counter_cls(
+            name="vllm:kvcomp_compression_failures",
+            documentation="Compressions that stopped before writing (reason memory: the allocator refused; error); "
+                          "the request was left as it was.",
+            labelnames=[*by_policy, "reason"],
+        )
         self.gauges = {
             name: self._gauge_cls(name=f"vllm:kvcomp_{name}", documentation=text, labelnames=labelnames,
                                   multiprocess_mode="mostrecent")
@@ -111,6 +121,8 @@ class KVCompPromMetrics(KVConnectorPromMetrics):
             if event["tokens_total"] > 0:
                 kept = event["tokens_total"] - event["tokens_evicted"]
                 self.achieved_ratio.labels(*labels, policy).observe(kept / event["tokens_total"])
+        for failure in transfer_stats_data.get("failures", ()):
+            self.compression_failures.labels(*labels, failure["policy"], failure["reason"]).inc()
         for result in transfer_stats_data.get("finished", ()):
             if result.get("compressions", 0) > 0:
                 self.requests_compressed.labels(*labels, result["policy"]).inc()

@@ -59,6 +59,7 @@ class RequestStats:
     blocks_freed: int = 0
     seconds: float = 0.0
     preemptions: int = 0
+    failed_compressions: int = 0  # compressions that stopped before writing (no memory, a bug)
 
     def record(self, event: CompressionEvent) -> None:
         kept = event.tokens_total - event.tokens_evicted
@@ -76,7 +77,7 @@ class RequestStats:
                     "reason": self.unavailable, "prompt_tokens": self.prompt_len, "compressions": 0,
                     "tokens_kept": self.prompt_len, "kept_max_head": self.prompt_len, "kept_fraction": 1.0,
                     "tokens_evicted": 0, "blocks_freed": 0, "compression_seconds": 0.0,
-                    "preemptions": self.preemptions}
+                    "preemptions": self.preemptions, "compression_failures": self.failed_compressions}
         return {
             "applied": self.spec.to_header(),
             "policy": self.spec.policy,
@@ -89,6 +90,7 @@ class RequestStats:
             "blocks_freed": self.blocks_freed,
             "compression_seconds": round(self.seconds, 6),
             "preemptions": self.preemptions,
+            "compression_failures": self.failed_compressions,
         }
 
 
@@ -130,6 +132,7 @@ class KVCompScheduler:
     dropped: list[str] = field(default_factory=list)
     events: list[CompressionEvent] = field(default_factory=list)
     finished: list[dict[str, Any]] = field(default_factory=list)  # results since the last stats
+    failures: list[dict[str, str]] = field(default_factory=list)  # failed compressions since the last stats
     preemptions: int = 0
     copy_on_compress: bool = False  # prefix caching on a model we can share it on
     cow: dict[str, CopyOnCompress] = field(default_factory=dict)
@@ -301,6 +304,11 @@ class KVCompScheduler:
             self.disable(report.unavailable)
         for rid, reason in report.uncompressed.items():
             self._serve_uncompressed(rid, reason)
+        for rid, kind in report.failed.items():
+            stats = self.requests.get(rid)
+            if stats is not None:
+                stats.failed_compressions += 1
+                self.failures.append({"policy": stats.spec.policy, "reason": kind})
         for rid, needed in report.spares_needed.items():
             if rid in self.cow:
                 self.cow[rid].needed = needed
@@ -366,7 +374,9 @@ class KVCompScheduler:
         """Events and finished results since the last call, plus the current gauges (metrics.py)."""
         events, self.events = self.events, []
         finished, self.finished = self.finished, []
-        return {"events": [dataclasses.asdict(e) for e in events], "finished": finished, "gauges": self.gauges()}
+        failures, self.failures = self.failures, []
+        return {"events": [dataclasses.asdict(e) for e in events], "finished": finished, "failures": failures,
+                "gauges": self.gauges()}
 
     def gauges(self) -> dict[str, int]:
         """Blocks freed early, held, and that would be held uncompressed, over running tracked requests."""

@@ -16,9 +16,11 @@ the KV buffer.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -42,17 +44,44 @@ from vllm_kvcomp.engine.metadata import (
     StepMetadata,
     WorkerReport,
 )
-from vllm_kvcomp.engine.pages import RequestPages
+from vllm_kvcomp.engine.pages import Move, RequestPages
 from vllm_kvcomp.engine.staging import HostStaging
 from vllm_kvcomp.engine.state import CompressedRequest, ObservedAttention, QueryWindow
 from vllm_kvcomp.params import SpecError
-from vllm_kvcomp.policies.base import ONE_RANK, LayerKV, Ranks, RequestState, out_proj_heads
+from vllm_kvcomp.policies.base import (
+    ONE_RANK,
+    Compensation,
+    LayerKV,
+    Ranks,
+    RequestState,
+    out_proj_heads,
+)
 from vllm_kvcomp.spec import CompressionSpec
 
 logger = logging.getLogger(__name__)
 
 PolicyBuilder = Callable[[CompressionSpec], object]
 NO_OUT_PROJ = "the engine read no output projection (o_proj)"
+
+
+def allocation_failure(err: BaseException) -> bool:
+    """Whether ``err`` is an allocator's refusal (the device's or the host's), not a bug."""
+    if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+
+
+@dataclass
+class CompactionPlan:
+    """A compression decided and planned, nothing written yet (:meth:`KVCompWorker._plan_compaction`)."""
+
+    move: Move | None  # None: every head kept everything and no token was made
+    pages: RequestPages | None  # the request's pages after the move (None: unchanged)
+    columns: dict[int, int]  # copy-on-compress: block-table column -> the spare written there
+    compensations: list[Compensation | None]  # per layer
+    longest_base: int  # the longest head over every rank after it, less the request's length
+    event: CompressionEvent
 
 
 def _right_aligned(read: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
@@ -410,24 +439,24 @@ class KVCompWorker:
             ))
         return inputs
 
-    def _compression_failed(self, rid: str, state: CompressedRequest, err: ValueError) -> None:
-        """The policy could not decide or its pages could not be packed (nothing moved): before
-        the first compaction the request is served uncompressed and its result says why; after
-        it, it keeps what it holds and the next due recompression tries again."""
-        logger.error("request %s: compression failed: %s", rid, err)
+    def _compression_failed(self, rid: str, state: CompressedRequest, snapshot: RequestState | None,
+                            err: Exception, kind: str) -> None:
+        """The compression stopped before its first write (a bug: ``kind`` "error"; the allocator
+        had no memory for it: "memory"): the request's pages and policy state are as they were.
+        Before the first compaction it is served uncompressed and its result says why; after it,
+        it keeps what it holds and the next due recompression tries again. Counted in the report."""
+        logger.error("request %s: compression failed (%s): %s", rid, kind, err)
+        if snapshot is not None:
+            state.policy_state = snapshot
+        self._report.copied.pop(rid, None)  # no spare was written: they all go back
+        self._report.failed[rid] = kind
         if not state.pages.compressed:
-            self._report.uncompressed[rid] = f"compression failed: {err}"
+            what = "no memory for the compression" if kind == "memory" else "compression failed"
+            self._report.uncompressed[rid] = f"{what}: {err}"
             state.spec = CompressionSpec()
             state.policy = state.spec.build_policy()
             state.observed = None
         state.lifecycle.compressed()
-        self._agree_on_longest(state)
-
-    def _agree_on_longest(self, state: CompressedRequest) -> None:
-        """After a compression (every rank compresses the request in the same step): the
-        longest head over every rank, less the request's length (one collective under tensor
-        parallelism; decode steps then compute it with no collective)."""
-        state.longest_base = int(self.ranks.reduce(int(state.pages.lengths(0).max()), max))
 
     @staticmethod
     def _copies(state: CompressedRequest, sched: ScheduledRequest) -> bool:
@@ -442,22 +471,56 @@ class KVCompWorker:
     def _compress(self, rid: str, state: CompressedRequest, sched: ScheduledRequest, end: int, decode: bool) -> None:
         """Select and pack, and move the lifecycle on; postponed instead (the lifecycle waits for
         spares) when copy-on-compress got too few spares: the policy state is rolled back and the
-        scheduler told how many to send."""
+        scheduler told how many to send. Everything that allocates runs before the first write
+        to the cache; a failure there (a bug, or no memory) leaves the request as it was
+        (:meth:`_compression_failed`) and the engine serving."""
         started = time.perf_counter()
         state.live = None  # the heads' lengths change
+        state.window.truncate(end)  # queries of rolled-back draft tokens (a no-op otherwise)
+        # what a failure or a postponement restores (before the first compaction a failure serves
+        # the request uncompressed: its policy state is not read again)
+        keep, snapshot = state.pages.compressed or self._copies(state, sched), None
+        try:
+            snapshot = copy.deepcopy(state.policy_state) if keep else None
+            plan = self._plan_compaction(rid, state, sched, end, decode, snapshot)
+            if plan is None:  # postponed: waits for spares
+                return
+            if plan.move is not None:
+                self.cache.move(plan.move)  # its temporaries are allocated before its first write
+        except ValueError as err:  # a bug, not bad input: nothing was moved yet, keep serving
+            self._compression_failed(rid, state, snapshot, err, "error")
+            return
+        except (RuntimeError, MemoryError) as err:
+            if not allocation_failure(err):
+                raise
+            self._compression_failed(rid, state, snapshot, err, "memory")
+            return
+        if plan.pages is not None:
+            state.pages = plan.pages
+            state.lifecycle.block_override.update(plan.columns)
+        self._report.freeable_blocks[rid] = state.pages.first_live_col  # 0: natural layout (for other ranks)
+        for layer, comp in enumerate(plan.compensations):
+            if comp is not None:  # the policy folds earlier entries in if it wants
+                state.compensation[layer] = comp
+        state.compensation_version += any(c is not None for c in plan.compensations)
+        state.lifecycle.compressed()
+        state.longest_base = plan.longest_base
+        if state.observed is not None:  # the policy holds what was observed, by position
+            state.observed.restart(end)
+        state.policy_state.compressions += 1
+        self._report.events.append(dataclasses.replace(plan.event, seconds=time.perf_counter() - started))
+
+    def _plan_compaction(self, rid: str, state: CompressedRequest, sched: ScheduledRequest, end: int, decode: bool,
+                         snapshot: RequestState | None) -> CompactionPlan | None:
+        """What :meth:`_compress` writes: the policy's selection, the moves and the new pages, the
+        event, the longest head over every rank; None when copy-on-compress must wait for more
+        spares (the scheduler is told). Writes nothing to the cache."""
         if not decode:
             state.policy.start_prefill_compression(state.policy_state)  # prefill=block: decides afresh
-        state.window.truncate(end)  # queries of rolled-back draft tokens (a no-op otherwise)
-        copies = self._copies(state, sched)
-        snapshot = copy.deepcopy(state.policy_state) if copies else None
         block_ids = torch.tensor(sched.block_ids, dtype=torch.long)
         inputs = self._layer_inputs(state, block_ids, end, decode)
         state.policy_state.page_quantum = (self.block_size, end % self.block_size)
-        try:
-            selections = [sel.cpu() for sel in state.policy.decide(inputs, state.policy_state)]
-        except ValueError as err:  # a bug, not bad input: nothing was moved yet, keep serving
-            self._compression_failed(rid, state, err)
-            return
+        selections = [sel.cpu() for sel in state.policy.decide(inputs, state.policy_state)]
         before = torch.stack([kv.valid_lengths() for kv in inputs])  # [L, H]
         kept = [[idx - (kv.num_slots - int(before[layer, h])) for h, idx in enumerate(sel.indices)]
                 for layer, (kv, sel) in enumerate(zip(inputs, selections))]
@@ -465,49 +528,30 @@ class KVCompWorker:
         compensations = [sel.compensation for sel in selections]
         compacts = bool((after < before).any()) or any(c is not None for c in compensations)
         destination, columns = None, {}
-        if copies:
+        if self._copies(state, sched):
             mine = state.pages.blocks_needed(kept, end) if compacts else 0
             needed = int(self.ranks.reduce(mine, max))  # every rank postpones, or none
             if needed > len(sched.spares):
                 state.policy_state = snapshot
                 state.lifecycle.await_spares(needed)
                 self._report.spares_needed[rid] = needed
-                return
+                return None
             destination = sched.spares[len(sched.spares) - mine :]  # last spare = last column
             growth = end // self.block_size
             columns = {growth - mine + i: block for i, block in enumerate(destination)}
             self._report.copied[rid] = columns
-        if compacts:
-            try:
-                move, pages = state.pages.compact(kept, block_ids, end, destination)
-            except ValueError as err:  # a bug, not bad input: nothing was moved yet, keep serving
-                self._report.copied.pop(rid, None)  # no spare was written: they all go back
-                self._compression_failed(rid, state, err)
-                return
-            self.cache.move(move)
-            state.pages = pages
-            state.lifecycle.block_override.update(columns)
-        self._report.freeable_blocks[rid] = state.pages.first_live_col  # 0: natural layout (for other ranks)
-        for layer, comp in enumerate(compensations):
-            if comp is not None:  # the policy folds earlier entries in if it wants
-                state.compensation[layer] = comp
-        state.compensation_version += any(c is not None for c in compensations)
-        state.lifecycle.compressed()
-        self._agree_on_longest(state)
-        if state.observed is not None:  # the policy holds what was observed, by position
-            state.observed.restart(end)
-        state.policy_state.compressions += 1
-        self._report.events.append(CompressionEvent(
+        move, pages = state.pages.compact(kept, block_ids, end, destination) if compacts else (None, None)
+        longest = int(self.ranks.reduce(int((pages or state.pages).lengths(0).max()), max))  # over every rank
+        event = CompressionEvent(
             req_id=rid, policy=state.spec.policy, tokens_before=int(before.max()), tokens_after=int(after.max()),
             tokens_evicted=int((before - after).sum()), tokens_total=int(before.sum()), num_heads=before.numel(),
-            num_tokens=end,
-            seconds=time.perf_counter() - started, decode=decode,
-        ))
+            num_tokens=end, seconds=0.0, decode=decode)
+        return CompactionPlan(move, pages, columns, compensations, longest, event)
 
     def take_report(self) -> WorkerReport | None:
         report, self._report = self._report, WorkerReport(unavailable=self.unavailable)
         if not (report.freeable_blocks or report.events or report.copied or report.spares_needed
-                or report.unavailable or report.uncompressed):
+                or report.unavailable or report.uncompressed or report.failed):
             return None
         return report
 

@@ -382,12 +382,12 @@ def applied_header(spec: CompressionSpec) -> str:
 USAGE_SUMS = ("prompt_tokens", "tokens_kept", "tokens_evicted", "blocks_freed", "compressions",
               "compression_seconds")
 #: Summed only over the results that have them: the engine does not track uncompressed requests.
-TRACKED_SUMS = ("preemptions",)
+TRACKED_SUMS = ("preemptions", "compression_failures")
 
 
 def uncompressed_result(prompt_tokens: int) -> dict[str, Any]:
     """The result of a request that ran without compression. The engine did not follow it, so
-    there is no ``preemptions`` count (it would not be known, not zero)."""
+    there is no ``preemptions`` or ``compression_failures`` count (it would not be known, not zero)."""
     return {"applied": NO_COMPRESSION, "policy": "full", "prompt_tokens": prompt_tokens,
             "tokens_kept": prompt_tokens, "kept_max_head": prompt_tokens, "kept_fraction": 1.0,
             "tokens_evicted": 0, "blocks_freed": 0, "compressions": 0, "compression_seconds": 0.0}
