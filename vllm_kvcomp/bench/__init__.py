@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "peak": ("vllm_kvcomp.bench.peak", "through the server: peak KV one request holds around its compaction vs full"),
     "pages": ("vllm_kvcomp.bench.pages", "through the server: KV held, admission, decode speed vs full"),
     "prefill": ("vllm_kvcomp.bench.prefill", "KV held during prefill: compress per chunk vs at the end vs full"),
+    "stall": ("vllm_kvcomp.bench.stall", "the longest step carrying compression work vs the median decode step"),
     "soak": ("vllm_kvcomp.bench.soak", "mixed policies, aborts, preemption for minutes: 5xx, leaks, KV at idle"),
 }
 DEFAULT = "engine"

@@ -40,6 +40,17 @@ def model_line(model: str | None) -> str:
     return f"{name} (fp32, vLLM CPU, 2 cores)"
 
 
+def spec_xargs(policy: str, ratio: float, settings: str = "") -> dict | None:
+    """``SamplingParams.extra_args`` of ``policy`` at ``ratio`` with ``settings`` (header grammar,
+    e.g. ``decode=recompress; window=16``); None for full cache."""
+    if policy == "full":
+        return None
+    from vllm_kvcomp.spec import CompressionSpec
+
+    header = "; ".join(p for p in (f"policy={policy}", f"ratio={ratio:g}", settings) if p)
+    return CompressionSpec.from_header(header).to_xargs()
+
+
 def build_parser(module: ModuleType, name: str, prog: str) -> argparse.ArgumentParser:
     """The benchmark's own flags plus ``--out``."""
     parser = argparse.ArgumentParser(

@@ -1,0 +1,28 @@
+"""``vllm-kvcomp bench stall`` without an engine: a label's spec (shared with ``bench cost``), and
+the table of its steps."""
+
+from __future__ import annotations
+
+import argparse
+
+from vllm_kvcomp.bench.common import spec_xargs
+from vllm_kvcomp.bench.stall import Stalls, Step, _report
+from vllm_kvcomp.spec import CompressionSpec
+
+
+def test_a_label_becomes_the_flat_spec_of_its_policy_ratio_and_settings():
+    xargs = spec_xargs("snapkv", 0.25, "decode=recompress; window=16")
+    assert CompressionSpec.from_xargs(xargs) == CompressionSpec.from_header(
+        "policy=snapkv; ratio=0.25; decode=recompress; window=16")
+    assert spec_xargs("full", 0.25, "") is None
+
+
+def test_the_table_gives_each_configs_worst_step_against_its_median():
+    args = argparse.Namespace(model=None, chunk=2048, streams=4, ratio=0.25, decode_tokens=96)
+    rows = [Stalls("full", 2048, 0.025, None, 0.030, 0),
+            Stalls("h2o", 2048, 0.020, Step(0.080, 0.050, ["prompt end"]), 0.024, 5)]
+    table = _report(args, rows, {"razor": [0.3]})
+    lines = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
+    assert lines["h2o"] == "| h2o | 2048 | 20.0 | 80 | **4.00x** | 50 (prompt end) | 5 | 1.20x |"
+    assert lines["full"] == "| full | 2048 | 25.0 | - | - | - | 0 | 1.20x |"
+    assert "razor at 0.3 (refuses 0.25)" in table
