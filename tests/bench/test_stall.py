@@ -17,12 +17,13 @@ def test_a_label_becomes_the_flat_spec_of_its_policy_ratio_and_settings():
     assert spec_xargs("full", 0.25, "") is None
 
 
-def test_the_table_gives_each_configs_worst_step_against_its_median():
+def test_the_table_gives_each_configs_heaviest_and_longest_step_against_its_median():
     args = argparse.Namespace(model=None, chunk=2048, streams=4, ratio=0.25, decode_tokens=96)
-    rows = [Stalls("full", 2048, 0.025, None, 0.030, 0),
-            Stalls("h2o", 2048, 0.020, Step(0.080, 0.050, ["prompt end"]), 0.024, 5)]
+    chunk = Step(0.400, 0.030, ["prefill chunk"])  # long by its own prefill
+    rows = [Stalls("full", 2048, 0.025, None, None, 0.030, 0),
+            Stalls("h2o", 2048, 0.020, chunk, Step(0.080, 0.050, ["prompt end", "decode"]), 0.024, 5)]
     table = _report(args, rows, {"razor": [0.3]})
     lines = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
-    assert lines["h2o"] == "| h2o | 2048 | 20.0 | 80 | **4.00x** | 50 (prompt end) | 5 | 1.20x |"
+    assert lines["h2o"] == "| h2o | 2048 | 20.0 | 50 (decode, prompt end) | **2.50x** | 20.00x | 5 | 1.20x |"
     assert lines["full"] == "| full | 2048 | 25.0 | - | - | - | 0 | 1.20x |"
     assert "razor at 0.3 (refuses 0.25)" in table

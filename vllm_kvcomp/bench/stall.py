@@ -1,16 +1,17 @@
-"""Stalls: the longest engine step that carries compression work, next to the median decode step
-of the same batch, per policy (issue #69: no step should carry more than half a decode step of
-compression work, i.e. longest <= 1.5x the median).
+"""Stalls: the compression work one engine step carries, next to the median decode step of the
+same batch, per policy (issue #69: no step should carry more than half a decode step of
+compression work, so that no step with it is longer than 1.5x the median).
 
 In-process engine (bundled model, vLLM CPU, prefix caching off): ``--streams`` uncompressed
 requests decode while one request of ``N`` tokens (``--lengths``) arrives with the policy's spec,
 is prefilled, compressed and decodes ``--decode-tokens`` tokens (recompressing where its policy
-does). Every engine step is timed; the worker's compressions are timed in the same process (the
-prompt-end one runs when the step after the prompt's last chunk binds, ``prefill=stream`` /
+does). Every engine step is timed; the worker's compressions come with their seconds from its
+``listeners`` (the engine runs in this process; the prompt-end one runs when the step after the prompt's last chunk binds, ``prefill=stream`` /
 ``block`` chunks and decode recompressions after a step's forward). From the arriving request's
 first token on, the median step without compression work is the batch's decode step; the table
-gives the longest step with compression work against it, and the longest step without (the
-noise floor: full cache's row is all of that kind).
+gives against it the most compression work one step carried (the target: at most half of it),
+the longest step with compression work (a ``prefill=stream`` / ``block`` chunk's step is long by
+its own prefill too), and the longest step without (the noise floor: full cache's row).
 
 ::
 
@@ -59,33 +60,22 @@ class Stalls:
     length: int
     median: float  # median step without compression work, after the request's first token
     longest: Step | None  # the longest step with compression work
+    heaviest: Step | None  # the step with the most compression work
     other: float  # the longest step without compression work
     compressions: int
 
 
 class CompressionClock:
-    """Times every compression of the in-process worker, by the step it ran in."""
+    """The worker's compressions of the current step (the engine runs in this process)."""
 
-    def __init__(self) -> None:
+    def __init__(self, length: int = 0) -> None:
         self.step = Step(0.0, 0.0)
+        self.length = length  # the arriving request's prompt: a compression before it is a chunk's
 
-    def install(self) -> None:
-        """Wrap the worker's compression (this process's engine only: the bench's own)."""
-        from vllm_kvcomp.engine.lifecycle import Phase
-        from vllm_kvcomp.engine.worker import KVCompWorker
-
-        compress, clock = KVCompWorker._compress, self
-
-        def timed(worker, rid, state, sched, end, decode):
-            started = time.perf_counter()
-            prefill = state.lifecycle.phase is Phase.PREFILL
-            try:
-                return compress(worker, rid, state, sched, end, decode)
-            finally:
-                clock.step.compression += time.perf_counter() - started
-                clock.step.kinds.append("decode" if decode else "prefill chunk" if prefill else "prompt end")
-
-        KVCompWorker._compress = timed
+    def __call__(self, event) -> None:
+        self.step.compression += event.seconds
+        kind = "decode" if event.decode else "prefill chunk" if event.num_tokens < self.length else "prompt end"
+        self.step.kinds.append(kind)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from vllm import LLM
 
     from vllm_kvcomp.bench.serving import feasible_ratios
-    from vllm_kvcomp.engine.plugin import kv_transfer_config
+    from vllm_kvcomp.engine.plugin import active_worker, kv_transfer_config
     from vllm_kvcomp.models import resolve_model
     from vllm_kvcomp.server.cli import cpu_kv_cache_bytes
 
@@ -101,12 +91,12 @@ def run(args: argparse.Namespace) -> int:
     labels = [p.strip() for p in args.policies.split(",") if p.strip()]
     model = resolve_model(args.model)
     floors = feasible_ratios(model, [label.partition(":")[0] for label in labels], [args.ratio])
-    clock = CompressionClock()
-    clock.install()
     llm = LLM(model=model, dtype="float32", enforce_eager=True, block_size=32,
               max_model_len=max(lengths) + args.decode_tokens + 64, max_num_batched_tokens=args.chunk,
               distributed_executor_backend="uni", enable_prefix_caching=False,
               kv_transfer_config=kv_transfer_config(), kv_cache_memory_bytes=cpu_kv_cache_bytes(), seed=0)
+    clock = CompressionClock()
+    active_worker().listeners.append(clock)
     rows = []
     for n in lengths:
         for label in ["full", *(label for label in labels if label != "full")]:
@@ -136,6 +126,7 @@ def _measure(engine, clock: CompressionClock, args: argparse.Namespace, label: s
     sp = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True, extra_args=extra)
     engine.add_request(target, {"prompt_token_ids": [rng.randrange(10, 48000) for _ in range(n)]}, sp)
     steps, started, compressions = [], False, 0
+    clock.length = n
     while True:
         clock.step = Step(0.0, 0.0)
         t0 = time.perf_counter()
@@ -154,13 +145,14 @@ def _measure(engine, clock: CompressionClock, args: argparse.Namespace, label: s
     plain = [s.seconds for s in steps if not s.kinds]
     loaded = [s for s in steps if s.kinds]
     return Stalls(label, n, statistics.median(plain), max(loaded, key=lambda s: s.seconds, default=None),
-                  max(plain), compressions)
+                  max(loaded, key=lambda s: s.compression, default=None), max(plain), compressions)
 
 
 def _print(r: Stalls) -> None:
-    worst = "no compression" if r.longest is None else (
-        f"longest with compression {1e3 * r.longest.seconds:.0f} ms ({r.longest.seconds / r.median:.2f}x; "
-        f"{1e3 * r.longest.compression:.0f} ms of {', '.join(r.longest.kinds)})")
+    worst = "no compression" if r.heaviest is None else (
+        f"most compression work in a step {1e3 * r.heaviest.compression:.0f} ms "
+        f"({r.heaviest.compression / r.median:.2f}x, {', '.join(r.heaviest.kinds)}), longest step with it "
+        f"{1e3 * r.longest.seconds:.0f} ms ({r.longest.seconds / r.median:.2f}x)")
     print(f"{r.label:32s} {r.length:6d}: median step {1e3 * r.median:.1f} ms, {worst}", flush=True)
 
 
@@ -169,17 +161,17 @@ def _report(args: argparse.Namespace, rows: list[Stalls], floors: dict[str, list
     lines = [f"{model_line(args.model)}, block size 32, {args.chunk}-token steps; {args.streams} uncompressed "
              f"streams ({STREAM_PROMPT}-token prompts) decode while a request of N tokens at ratio {args.ratio:g} "
              f"arrives, is compressed and decodes {args.decode_tokens} tokens" + (f"; {lifted}" if lifted else "")
-             + ". Steps from its first token on (and any step with compression work). Target: longest step with "
-             "compression work <= 1.5x the median decode step.", "",
-             "| config | N | median step ms | longest step with compression ms | vs median | its compression ms "
-             "(kinds) | compressions | longest other step vs median |",
-             "|---|---:|---:|---:|---:|---|---:|---:|"]
+             + ". Steps from its first token on (and any step with compression work). Target: no step carries "
+             "more than half a median decode step of compression work.", "",
+             "| config | N | median step ms | most compression work in a step ms (kinds) | vs median (target "
+             "<= 0.5) | longest step with compression vs median | compressions | longest other step vs median |",
+             "|---|---:|---:|---|---:|---:|---:|---:|"]
     for r in rows:
-        if r.longest is None:
+        if r.heaviest is None:
             worst = "| - | - | - "
         else:
-            worst = (f"| {1e3 * r.longest.seconds:.0f} | **{r.longest.seconds / r.median:.2f}x** | "
-                     f"{1e3 * r.longest.compression:.0f} ({', '.join(sorted(set(r.longest.kinds)))}) ")
+            worst = (f"| {1e3 * r.heaviest.compression:.0f} ({', '.join(sorted(set(r.heaviest.kinds)))}) | "
+                     f"**{r.heaviest.compression / r.median:.2f}x** | {r.longest.seconds / r.median:.2f}x ")
         lines.append(f"| {r.label} | {r.length} | {1e3 * r.median:.1f} {worst}| {r.compressions} | "
                      f"{r.other / r.median:.2f}x |")
     return "\n".join(lines)

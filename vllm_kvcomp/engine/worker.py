@@ -123,6 +123,9 @@ class KVCompWorker:
         self.unavailable: str | None = None  # this engine cannot compress (told to the scheduler)
         self.out_proj: list[torch.Tensor] = []  # per compressed layer: W_o per query head [H_q, D, hidden]
         self.no_out_proj: str | None = NO_OUT_PROJ  # why there is none: policies that read it are refused
+        #: called with every compression's event as it is made (``vllm-kvcomp bench stall`` times
+        #: steps by them); the scheduler hears of it through the step's report either way
+        self.listeners: list[Callable[[CompressionEvent], None]] = []
 
     # ------------------------------------------------------------------ setup
     def register(
@@ -508,7 +511,10 @@ class KVCompWorker:
         if state.observed is not None:  # the policy holds what was observed, by position
             state.observed.restart(end)
         state.policy_state.compressions += 1
-        self._report.events.append(dataclasses.replace(plan.event, seconds=time.perf_counter() - started))
+        event = dataclasses.replace(plan.event, seconds=time.perf_counter() - started)
+        self._report.events.append(event)
+        for listen in self.listeners:
+            listen(event)
 
     def _plan_compaction(self, rid: str, state: CompressedRequest, sched: ScheduledRequest, end: int, decode: bool,
                          snapshot: RequestState | None) -> CompactionPlan | None:
