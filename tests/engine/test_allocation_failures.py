@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.engine.test_device_syncs import tensors_in
 from tests.engine.test_step_harness import PROMPT, assert_clean, ids, spec_for
 from tests.helpers.step_harness import StepHarness
 from vllm_kvcomp.engine.worker import KVCompWorker
@@ -32,14 +33,6 @@ SCENARIOS = {
 }
 
 
-def _outputs(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _outputs(v)]
-    return []
-
-
 class RefusingAllocator(TorchDispatchMode):
     """Counts the tensors aten operations create (outputs sharing no input's storage) and makes
     the ``refuse``-th of them fail as a CUDA allocator does (None: count only)."""
@@ -52,9 +45,9 @@ class RefusingAllocator(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        inputs = {t.untyped_storage().data_ptr() for t in _outputs([list(args), list(kwargs.values())])
+        inputs = {t.untyped_storage().data_ptr() for t in tensors_in([list(args), list(kwargs.values())])
                   if t.device.type != "meta"}
-        fresh = [t for t in _outputs(out) if t.untyped_storage().data_ptr() not in inputs]
+        fresh = [t for t in tensors_in(out) if t.untyped_storage().data_ptr() not in inputs]
         if fresh:
             self.count += 1
             if self.count == self.refuse:

@@ -52,14 +52,15 @@ def on_device(t):
     return t.as_subclass(OnDevice) if isinstance(t, torch.Tensor) and not isinstance(t, OnDevice) else t
 
 
-def _tensors(value):
+def tensors_in(value):
+    """Every tensor in ``value`` (nested lists and tuples, a slice's bounds)."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (list, tuple)):
         for v in value:
-            yield from _tensors(v)
+            yield from tensors_in(v)
     elif isinstance(value, slice):
-        yield from _tensors([value.start, value.stop, value.step])
+        yield from tensors_in([value.start, value.stop, value.step])
 
 
 class Stalls(TorchFunctionMode):
@@ -76,7 +77,7 @@ class Stalls(TorchFunctionMode):
         kwargs = kwargs or {}
         caller = self._caller()
         if caller is not None and not self.compressing:
-            tensors = list(_tensors(list(args) + list(kwargs.values())))
+            tensors = list(tensors_in(list(args) + list(kwargs.values())))
             device = [t for t in tensors if isinstance(t, OnDevice)]
             if device:
                 self.checked += 1
@@ -114,7 +115,7 @@ def stalls(monkeypatch):
 
     def stub(name):
         def kernel(q, *args, **kwargs):
-            for t in _tensors(list(args) + list(kwargs.values())):
+            for t in tensors_in(list(args) + list(kwargs.values())):
                 if t.dim() > 0 and not isinstance(t, OnDevice):
                     mode.found.append(f"{name} got a host tensor {tuple(t.shape)}")
             out = torch.zeros_like(q)
