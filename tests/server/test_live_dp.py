@@ -19,6 +19,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -50,6 +51,7 @@ RANK = "X-data-parallel-rank"  # vLLM's own header: serve this request on that e
 ENGINES = ("0", "1")
 POLL_S = 120  # the 2-core CI machine is shared: the API servers compete with both engines
 MAX_MODEL_LEN = 24576  # 768 of the 1024 blocks: a request that decodes to it runs 1-3 minutes here
+ATTEMPTS = 3  # long requests started in turn until one is seen running
 SCRAPE_S = 5  # a /metrics answer slower than this is retried (the next may reach the other API server)
 
 
@@ -167,25 +169,55 @@ def gauges(samples, engine: str) -> dict[str, float]:
     return {name: metric(samples, f"vllm:kvcomp_{name}", engine=engine) for name in GAUGES}
 
 
+class LongRequest:
+    """A snapkv request pinned to ``engine`` that decodes to the model's length, its answer read by
+    a background thread; :meth:`abort` closes the connection (vLLM aborts the request). Not
+    streamed: the API server then formats no token."""
+
+    def __init__(self, server: Server, prompt: int, engine: str, seed: int):
+        url = urlparse(server.url)
+        self.connection = http.client.HTTPConnection(url.hostname, url.port, timeout=10 * POLL_S)
+        body = {"model": server.model, "prompt": prompt_ids(prompt, seed=seed), "temperature": 0,
+                "max_tokens": MAX_MODEL_LEN - prompt - 1, "ignore_eos": True}
+        self.connection.request("POST", "/v1/completions", json.dumps(body), {
+            "Content-Type": "application/json", HEADER: "snapkv; ratio=0.25", RANK: engine})
+        self.pool = ThreadPoolExecutor(max_workers=1)
+        self.answer = self.pool.submit(lambda: json.loads(self.connection.getresponse().read()))
+
+    def abort(self) -> None:
+        if not self.answer.done():
+            self.connection.sock.shutdown(socket.SHUT_RDWR)  # the reader thread returns with an error
+        self.connection.close()
+        self.pool.shutdown()
+
+
 @pytest.mark.parametrize(("engine", "prompt"), [("1", 640), ("0", 900)])
 def test_gauges_show_the_running_requests_of_their_own_engine(dp_server, engine, prompt):
     """One engine at a time: with both decoding, the 2-core machine left the API servers so little
-    CPU that most /metrics answers took 15-30 s."""
+    CPU that most /metrics answers took 15-30 s.
+
+    Even with one engine decoding, a /metrics answer took 1-22 s here, and a request decoding to
+    the model's length lasted 20-75 s: one that ends before its gauges are read is checked by its
+    usage and replaced by a new one (at most ATTEMPTS)."""
     other = ENGINES[1 - ENGINES.index(engine)]
-    freed = equal_budget_numbers(prompt, 0.25)["blocks_freed"]
+    expected = equal_budget_numbers(prompt, 0.25)
+    freed = expected["blocks_freed"]
     before = wait_until(dp_server, lambda s: not any(gauges(s, engine).values()))  # the last test's request ended
     assert gauges(before, engine) == dict.fromkeys(GAUGES, 0)
-    stream = dp_server.client().completions.create(  # long enough to still run while /metrics is read
-        model=dp_server.model, prompt=prompt_ids(prompt, seed=600 + int(engine)), temperature=0, stream=True,
-        max_tokens=MAX_MODEL_LEN - prompt - 1, extra_headers={HEADER: "snapkv; ratio=0.25", RANK: engine},
-        extra_body={"ignore_eos": True},
-    )
-    try:
-        # stats reach /metrics through the API server process that owns the request; under load it
-        # lagged up to a minute behind the engine, so the request must outlast that
-        running = wait_until(dp_server, lambda s: gauges(s, engine)["saved_blocks"] == freed, timeout=2 * POLL_S)
-    finally:
-        stream.close()  # the client goes away: vLLM aborts the request
+    for attempt in range(ATTEMPTS):
+        request = LongRequest(dp_server, prompt, engine, seed=600 + 10 * attempt + int(engine))
+        try:
+            running = wait_until(dp_server, lambda s, answer=request.answer: (
+                answer.done() or gauges(s, engine)["saved_blocks"] == freed), timeout=10 * POLL_S)
+            ended = gauges(running, engine)["saved_blocks"] != freed
+        finally:
+            request.abort()
+        if not ended:
+            break
+        usage = request.answer.result()["usage"]["kv_compression"]  # it ran to the end unseen: it did compress
+        assert {key: usage[key] for key in expected} == expected
+    else:
+        pytest.fail(f"{ATTEMPTS} requests ended before /metrics showed their gauges")
     own = gauges(running, engine)
     assert own["saved_blocks"] == freed > 0
     assert own["held_blocks"] + own["saved_blocks"] == own["uncompressed_blocks"] > prompt // BLOCK_SIZE
