@@ -103,11 +103,12 @@ def test_projected_norms_are_the_plain_sum():
 
 
 def test_a_recompression_projects_only_the_tokens_it_has_not_seen(monkeypatch):
-    """The norms of kept tokens are remembered by position (a restart keeps them): a decode
-    recompression projects its new tokens alone and scores as if it had projected them all."""
-    projected = []
+    """The norms a selection projected are remembered at the kept slots by position (a restart
+    keeps them): a recompression never projects a remembered slot again, and selects and scores
+    as if it had projected them all."""
+    projected: list[torch.Tensor] = []
     plain = criticalkv.projected_l1_norms
-    monkeypatch.setattr(criticalkv, "projected_l1_norms", lambda v, *a: projected.append(v.shape[1]) or plain(v, *a))
+    monkeypatch.setattr(criticalkv, "projected_l1_norms", lambda v, *a: projected.append(v) or plain(v, *a))
     kv = _layer(5)
     policy = CriticalKV(budget=8, window=W, kernel=1, decode="recompress")
     state = RequestState(prompt_len=N)
@@ -123,11 +124,55 @@ def test_a_recompression_projects_only_the_tokens_it_has_not_seen(monkeypatch):
         queries=kv.queries, query_positions=torch.arange(N + new - W, N + new), out_proj=kv.out_proj)
     state.restart()  # prefill=block's: the norms stay
     assert state.tokens and not state.layers
+    remembered = state.token_memory(0, criticalkv.NormMemory).norms.lookup(grown.slot_positions(), float("nan"))
+    exact = projected_value_norms(grown)
+    known = ~remembered.isnan()
+    assert bool(known.any())
+    torch.testing.assert_close(remembered[known], exact[known], rtol=0, atol=0)
     state.budget = 8
+    projected.clear()
+    (again,) = policy.decide([grown], state)
+    seen = {tuple(row.tolist()) for h in range(HEADS) for row in grown.values[h][known[h]]}
+    rows = [tuple(row.tolist()) for values in projected for row in values.reshape(-1, D)]
+    assert rows and not seen & set(rows)
+    (fresh,) = CriticalKV(budget=8, window=W, kernel=1).decide([grown], RequestState(budget=8))
+    assert [i.tolist() for i in again.indices] == [i.tolist() for i in fresh.indices]
     scores = policy.score(grown, state)
-    assert projected == [N, new]
     torch.testing.assert_close(scores, CriticalKV(budget=8, window=W, kernel=1).score(grown, RequestState(budget=8)),
                                rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("settings", [{}, {"heads": "adaptive"}, {"inner": "expected_attention", "sink": 4},
+                                      {"first_stage_ratio": 0.0}, {"epsilon": 0.0}])
+def test_a_selection_projects_only_what_it_reads_and_keeps_what_every_norm_gives(settings, dtype, monkeypatch):
+    """On the host a selection projects the slots whose bound can reach the depth it reads (its
+    budget and the page rounding after it); the kept sets equal those of every slot projected,
+    on heads of unequal lengths, in fewer projected rows."""
+    gen = torch.Generator().manual_seed(11)
+    hk, group, n, d, hidden, window = 2, 3, 600, 16, 40, 16
+    keys = torch.randn(hk, n, d, generator=gen, dtype=torch.float64).to(dtype)
+    values = (torch.randn(hk, n, d, generator=gen, dtype=torch.float64)
+              * torch.rand(hk, n, 1, generator=gen, dtype=torch.float64) * 3).to(dtype)
+    kv = LayerKV(keys, values, lengths=torch.tensor([n, n - 77]), scale=d**-0.5,
+                 queries=torch.randn(hk * group, window, d, generator=gen, dtype=torch.float64).to(dtype) * 2,
+                 out_proj=torch.randn(hk * group, d, hidden, generator=gen, dtype=torch.float64).to(dtype) / 5)
+    kv.values[1, :77] = float("nan")  # head 1's padding: never projected, never kept
+    projected = []
+    plain = criticalkv.projected_l1_norms
+    monkeypatch.setattr(criticalkv, "projected_l1_norms", lambda v, *a: projected.append(v.shape[0] * v.shape[1])
+                        or plain(v, *a))
+    size = {"window": window} if settings.get("inner") != "expected_attention" else {"observe": window}
+    (pruned,) = CriticalKV(ratio=0.1, **size, **settings).decide([kv], RequestState(page_quantum=(16, 5)))
+    rows, projected[:] = sum(projected), []
+
+    def every_norm(inner, kv, memory, first, depth, epsilon):
+        return criticalkv.critical_scores(inner, criticalkv.remembered_value_norms(kv, memory), first, epsilon)
+
+    monkeypatch.setattr(criticalkv, "pruned_critical_scores", every_norm)
+    (dense,) = CriticalKV(ratio=0.1, **size, **settings).decide([kv], RequestState(page_quantum=(16, 5)))
+    assert [i.tolist() for i in pruned.indices] == [i.tolist() for i in dense.indices]
+    assert sum(projected) == 2 * n and rows < 2 * n - 77, rows  # the live slots
 
 
 @pytest.mark.parametrize(("values", "weight", "device", "expected"), [

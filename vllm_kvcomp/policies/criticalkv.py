@@ -31,11 +31,19 @@ is relative to; ``snapkv`` alone sums them, the same ranking); b is ``ceil(ratio
 up to the page grid by the critical score (kvpress: ``int(ratio·N)``, stage 1
 ``int(ratio·N·first_stage_ratio)``); the AdaKV safeguard is ``ceil(0.2·B)`` (kvpress ``int``).
 One-shot after prefill.
+
+Cost: the projection is ``H_q · N · D · hidden`` multiply-adds a layer (about 40 GFLOP at 2K on
+the bundled model). On the host, a selection projects only the slots that can reach the depth its
+ranking is read to (:func:`pruned_critical_scores`): the others are ruled out by an upper bound
+of their norm (``||x||₁ ≤ √hidden · ||x||₂``, ``||v W_o^q||₂`` through a D x D factor of
+``W_o^q W_o^qᵀ``), and the kept set is exactly the one every norm would give. On a GPU the fused
+kernel projects every slot (no host round trip per refinement).
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -52,7 +60,9 @@ from vllm_kvcomp.policies.base import (
     Selection,
     SlotMemory,
     budget_basis,
+    live_mask,
     protected_topk,
+    slot_mask,
 )
 from vllm_kvcomp.policies.expected_attention import ExpectedAttention, expected_attention_scores
 from vllm_kvcomp.policies.snapkv import SnapKV
@@ -94,11 +104,8 @@ def projection_dtype(values: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.float32
 
 
-def projected_value_norms(kv: LayerKV, dtype: torch.dtype | None = None, start: int = 0) -> torch.Tensor:
-    """[H_kv, N - start] ``mean_{q ∈ G(h)} ||v_i W_o^q||₁`` of ``kv.values[:, start:]`` [H_kv, N, D] with
-    ``kv.out_proj`` [H_q, D, hidden], on the weight's device: multiplied in ``dtype`` (default
-    :func:`projection_dtype`), the L1 norms summed in float32 (float64 for float64); one fused
-    Triton launch per layer on a GPU (:func:`vllm_kvcomp.kernels.projected_l1_norms`)."""
+def out_projection(kv: LayerKV) -> torch.Tensor:
+    """``kv.out_proj`` [H_q, D, hidden], checked against the layer's heads."""
     weight = kv.out_proj
     if weight is None:
         raise ValueError("criticalkv needs the layer's output projection (LayerKV.out_proj), none was given")
@@ -107,6 +114,15 @@ def projected_value_norms(kv: LayerKV, dtype: torch.dtype | None = None, start: 
     if d != kv.values.shape[-1] or hq % hk:
         raise ValueError(f"output projection {tuple(weight.shape)} does not fit {hk} KV heads of dimension "
                          f"{kv.values.shape[-1]}")
+    return weight
+
+
+def projected_value_norms(kv: LayerKV, dtype: torch.dtype | None = None, start: int = 0) -> torch.Tensor:
+    """[H_kv, N - start] ``mean_{q ∈ G(h)} ||v_i W_o^q||₁`` of ``kv.values[:, start:]`` [H_kv, N, D] with
+    ``kv.out_proj`` [H_q, D, hidden], on the weight's device: multiplied in ``dtype`` (default
+    :func:`projection_dtype`), the L1 norms summed in float32 (float64 for float64); one fused
+    Triton launch per layer on a GPU (:func:`vllm_kvcomp.kernels.projected_l1_norms`)."""
+    weight = out_projection(kv)
     return projected_l1_norms(kv.values[:, start:], weight, dtype or projection_dtype(kv.values, weight))
 
 
@@ -146,6 +162,104 @@ def critical_scores(inner: torch.Tensor, norms: torch.Tensor, first: list[torch.
     for h, idx in enumerate(first):
         scores[h, idx.to(scores.device)] = float("inf")
     return scores
+
+
+#: relative slack of :func:`projected_norm_bounds` over the exact product's rounding (float32:
+#: at most ~hidden · 2^-24 ≈ 4e-5 relative for hidden = 576; bf16 products are never pruned)
+BOUND_SLACK = 1e-3
+#: slots projected per head in a pruned selection's first round beyond 1.25x what it needs (then
+#: 1.5x as many until exact)
+FIRST_ROUND = 16
+
+
+#: id(weight) -> (a weak reference to it, its :func:`norm_factor`): a model's weights are read-only
+#: while served and factored once (an entry goes when its weight does)
+_FACTORS: dict[int, tuple[weakref.ref, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+def norm_factor(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``F`` [H_q, D, D] with ``F_q F_qᵀ = W_o^q W_o^qᵀ`` (eigen-factor, float64) and each query
+    head's largest singular value [H_q, 1], of ``weight`` [H_q, D, hidden]; made once per weight."""
+    entry = _FACTORS.get(id(weight))
+    if entry is not None and entry[0]() is weight:
+        return entry[1]
+    w = weight.to(torch.float64)
+    eigenvalues, vectors = torch.linalg.eigh(w @ w.transpose(1, 2))  # [H_q, D], [H_q, D, D]
+    eigenvalues = eigenvalues.clamp(min=0)
+    made = (vectors * eigenvalues.sqrt().unsqueeze(1), eigenvalues.amax(dim=-1, keepdim=True).sqrt())
+    key = id(weight)
+    _FACTORS[key] = (weakref.ref(weight, lambda _: _FACTORS.pop(key, None)), made)
+    return made
+
+
+def projected_norm_bounds(kv: LayerKV) -> torch.Tensor:
+    """[H_kv, N] upper bounds of :func:`projected_value_norms`: per query head
+    ``||v W_o^q||₁ ≤ √hidden · ||v W_o^q||₂ = √hidden · ||v F_q||₂`` (:func:`norm_factor`): D²
+    multiply-adds per slot and query head instead of D · hidden, in the values' dtype (float32:
+    its rounding is below 1/30 of the absolute slack), then :data:`BOUND_SLACK` relative and the
+    same share of the largest norm ``||v|| · σ_max`` absolute."""
+    weight = out_projection(kv)
+    hq, _, hidden = weight.shape
+    hk, n = kv.num_kv_heads, kv.values.shape[1]
+    factor, sigma = norm_factor(weight)
+    dtype = torch.float64 if kv.values.dtype == torch.float64 else torch.float32
+    values = kv.values.to(dtype).repeat_interleave(hq // hk, dim=0)  # [H_q, N, D]
+    l2 = torch.bmm(values, factor.to(values.device, dtype)).square().sum(-1).sqrt().double()  # [H_q, N]
+    largest = values.norm(dim=-1).double() * sigma.to(values.device)
+    bound = (l2 * (1 + BOUND_SLACK) + largest * BOUND_SLACK) * math.sqrt(hidden)
+    return bound.view(hk, hq // hk, n).mean(dim=1)
+
+
+def pruned_critical_scores(inner: torch.Tensor, kv: LayerKV, memory: NormMemory, first: list[torch.Tensor],
+                           depth: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """[H, N] host :func:`critical_scores` exact down to each head's ``depth`` best live slots
+    (+inf first) and -inf below: only slots whose score could reach that depth are projected.
+
+    Rounds: per head, the candidates (live, finite inner, not stage 1) in the order of an upper
+    bound of their score ``max(s + ε, 0) · bound(n)`` (:func:`projected_norm_bounds`); the first
+    ``M`` are projected (remembered norms are not projected again), and the head is exact once the
+    next candidate's bound is below its ``need``-th best projected score (``need``: ``depth`` less
+    its +inf slots), else ``M`` grows by half. Every slot scoring at least that is projected, so the top
+    ``depth`` is the one every norm gives, ties included. Pending in ``memory`` as
+    :func:`remembered_value_norms`, NaN where not projected."""
+    hk, n = inner.shape
+    inner = inner.cpu()
+    live = live_mask(kv.valid_lengths(), n)
+    positions = kv.slot_positions().to(torch.long).cpu()
+    norms = (memory.norms.lookup(positions, fill=float("nan")) if memory.norms is not None
+             else torch.full((hk, n), float("nan"), dtype=torch.float64 if kv.values.dtype == torch.float64
+                             else torch.float32))  # what projected_l1_norms sums in
+    stage1 = slot_mask(first, n)
+    fixed = live & (torch.isposinf(inner) | stage1)  # +inf: ranked first whatever the norm
+    candidates = live & torch.isfinite(inner) & ~stage1
+    need = (depth - fixed.sum(dim=1)).clamp(min=0)
+    gain = (inner + epsilon).clamp(min=0).to(torch.float64)  # a negative one scores at most 0
+    bound = torch.where(candidates, gain * projected_norm_bounds(kv).cpu(), -math.inf)
+    order = bound.argsort(dim=1, descending=True, stable=True)  # candidates first
+    available = candidates.sum(dim=1)
+    reach = torch.minimum(need + need // 4 + FIRST_ROUND, available)
+    reach = torch.where(need > 0, reach, 0)
+    group = kv.out_proj.shape[0] // hk
+    while True:
+        chosen = torch.arange(n).unsqueeze(0) < reach.unsqueeze(1)  # in bound order
+        wanted = torch.zeros(hk, n, dtype=torch.bool).scatter_(1, order, chosen) & norms.isnan()
+        for h in wanted.any(dim=1).nonzero().flatten().tolist():  # one head at a time: no padding rows
+            rows = wanted[h].nonzero().flatten()
+            values = kv.values[h, rows.to(kv.values.device)].unsqueeze(0)
+            weight = kv.out_proj[h * group:(h + 1) * group]
+            norms[h, rows] = projected_l1_norms(values, weight, projection_dtype(values, weight))[0].cpu().to(norms.dtype)
+        exact = torch.where(candidates & ~norms.isnan(), (inner + epsilon) * norms.to(inner.dtype), -math.inf)
+        kth = exact.sort(dim=1, descending=True).values.gather(1, (need - 1).clamp(0, n - 1).unsqueeze(1)).squeeze(1)
+        next_bound = torch.where(reach < available, bound.gather(1, reach.clamp(max=n - 1).unsqueeze(1)).squeeze(1),
+                                 -math.inf)
+        open_heads = (need > 0) & (reach < available) & ~(next_bound < kth.to(torch.float64))
+        if not bool(open_heads.any()):
+            break
+        reach = torch.where(open_heads, torch.minimum(reach + reach // 2, available), reach)
+    memory.pending = norms
+    scores = torch.where(candidates, exact, -math.inf).to(inner.dtype)
+    scores = torch.where(live & torch.isinf(inner), inner, scores)  # as critical_scores: the inner's own
+    return scores.masked_fill(stage1, math.inf)
 
 
 @dataclass
@@ -217,9 +331,10 @@ class CriticalKV(ScorePolicy):
     def allocates_across_heads(self) -> bool:
         return self.heads == "adaptive"
 
-    def _ranked(self, kv: LayerKV, state: RequestState) -> tuple[torch.Tensor, list[int]]:
+    def _ranked(self, kv: LayerKV, state: RequestState, prune: bool) -> tuple[torch.Tensor, list[int]]:
         """The critical scores [H_kv, N] and each head's kept count b_h (the budget; AdaKV's
-        allocation by the inner score under ``heads=adaptive``)."""
+        allocation by the inner score under ``heads=adaptive``); ``prune``: on the host, exact only
+        as deep as the selection reads them (:func:`pruned_critical_scores`)."""
         if state.budget is None:
             state.budget = self.target_budget(budget_basis([kv], state))
         lengths = kv.valid_lengths()
@@ -233,12 +348,17 @@ class CriticalKV(ScorePolicy):
             safeguard = sink + window  # always kept: they lead stage 1 (kvpress scores them the maximum)
         first_counts = [max(int(self.first_stage_ratio * b + 1e-9), min(safeguard, b)) for b in counts]
         first = protected_topk(inner, first_counts, lengths, sink, window)
-        norms = remembered_value_norms(kv, state.token_memory(kv.layer, NormMemory))
+        memory = state.token_memory(kv.layer, NormMemory)
+        if prune and out_projection(kv).device.type == "cpu":  # read to the budget, the page rounding after it
+            depth = torch.tensor(counts) + sink + window + 2 * state.page_size
+            return pruned_critical_scores(inner.scores, kv, memory, first, depth, self.epsilon), counts
+        norms = remembered_value_norms(kv, memory)
         return critical_scores(inner.scores, norms, first, self.epsilon), counts
 
     def score(self, kv: LayerKV, state: RequestState) -> torch.Tensor:
-        """[H_kv, N] what the selection ranks by: +inf on the stage-1 picks, ``(s + ε) · n`` elsewhere."""
-        return self._ranked(kv, state)[0]
+        """[H_kv, N] what the selection ranks by: +inf on the stage-1 picks, ``(s + ε) · n`` elsewhere
+        (every slot projected; a selection on the host projects only what it reads)."""
+        return self._ranked(kv, state, prune=False)[0]
 
     def select(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
         """Layer by layer: each layer's stage 1 needs its own counts before its scores exist."""
@@ -254,7 +374,7 @@ class CriticalKV(ScorePolicy):
             memory.norms, memory.pending = remembered, None
 
     def select_layer(self, kv: LayerKV, state: RequestState) -> Selection:
-        scores, counts = self._ranked(kv, state)
+        scores, counts = self._ranked(kv, state, prune=True)
         sink, window = self.protected()
         ranking = Ranking(scores)
         return Selection(protected_topk(ranking, counts, kv.valid_lengths(), sink, window), priority=ranking)
