@@ -143,6 +143,22 @@ def test_a_recompression_projects_only_the_tokens_it_has_not_seen(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_norm_bounds_are_upper_bounds_close_to_the_norms(dtype):
+    """sqrt(hidden) times the 2-norm through the factor bounds every projected L1 norm, on values
+    of very different sizes and a rank-deficient W_o; for Gaussian-like products within 1.3x."""
+    gen = torch.Generator().manual_seed(12)
+    hk, group, n, d, hidden = 2, 4, 500, 16, 64
+    values = torch.randn(hk, n, d, generator=gen, dtype=torch.float64) * 10 ** torch.empty(hk, n, 1).uniform_(-3, 3, generator=gen)
+    weight = torch.randn(hk * group, d, hidden, generator=gen, dtype=torch.float64)
+    weight[0, :, hidden // 2:] = 0.0  # head 0's first query head reads half the hidden units
+    weight[1, 3] = 0.0  # a zero row: the Gram matrix is singular
+    kv = LayerKV(values.to(dtype), values.to(dtype), out_proj=weight.to(dtype))
+    bounds, exact = criticalkv.projected_norm_bounds(kv), projected_value_norms(kv).double()
+    assert bool((bounds >= exact).all())
+    assert float((bounds / exact).median()) < 1.3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("settings", [{}, {"heads": "adaptive"}, {"inner": "expected_attention", "sink": 4},
                                       {"first_stage_ratio": 0.0}, {"epsilon": 0.0}])
 def test_a_selection_projects_only_what_it_reads_and_keeps_what_every_norm_gives(settings, dtype, monkeypatch):

@@ -201,13 +201,15 @@ def projected_norm_bounds(kv: LayerKV) -> torch.Tensor:
     weight = out_projection(kv)
     hq, _, hidden = weight.shape
     hk, n = kv.num_kv_heads, kv.values.shape[1]
+    group = hq // hk
     factor, sigma = norm_factor(weight)
     dtype = torch.float64 if kv.values.dtype == torch.float64 else torch.float32
-    values = kv.values.to(dtype).repeat_interleave(hq // hk, dim=0)  # [H_q, N, D]
-    l2 = torch.bmm(values, factor.to(values.device, dtype)).square().sum(-1).sqrt().double()  # [H_q, N]
-    largest = values.norm(dim=-1).double() * sigma.to(values.device)
-    bound = (l2 * (1 + BOUND_SLACK) + largest * BOUND_SLACK) * math.sqrt(hidden)
-    return bound.view(hk, hq // hk, n).mean(dim=1)
+    values = kv.values.to(dtype)  # [H_kv, N, D]; one product per KV head for its whole group
+    grouped = factor.to(values.device, dtype).view(hk, group, -1, factor.shape[-1]).transpose(1, 2).flatten(2)
+    l2 = torch.bmm(values, grouped).view(hk, n, group, -1).square().sum(-1).sqrt().transpose(1, 2)  # [H_kv, G, N]
+    largest = values.norm(dim=-1).unsqueeze(1).double() * sigma.to(values.device).view(hk, group, 1)
+    bound = (l2.double() * (1 + BOUND_SLACK) + largest * BOUND_SLACK) * math.sqrt(hidden)
+    return bound.mean(dim=1)
 
 
 def pruned_critical_scores(inner: torch.Tensor, kv: LayerKV, memory: NormMemory, first: list[torch.Tensor],
