@@ -50,7 +50,7 @@ HEADER = "X-KV-Compression"
 RANK = "X-data-parallel-rank"  # vLLM's own header: serve this request on that engine
 ENGINES = ("0", "1")
 POLL_S = 120  # the 2-core CI machine is shared: the API servers compete with both engines
-MAX_MODEL_LEN = 24576  # 768 of the 1024 blocks: a request that decodes to it runs 1-3 minutes here
+MAX_MODEL_LEN = 24576  # 768 of the 1024 blocks: a request that decodes to it runs 20-75 s here
 ATTEMPTS = 3  # long requests started in turn until one is seen running
 SCRAPE_S = 5  # a /metrics answer slower than this is retried (the next may reach the other API server)
 
