@@ -53,6 +53,15 @@ request, greedy decoding. The timing, which the vLLM integration must reproduce 
    observe (one of several query rows: a prefill chunk, or a speculative forward that verified
    drafts, ``decode_drafts``) stops the sums until the next compression: the window's queries
    after them count instead. A model whose layers cap logits or have sinks observes nothing.
+2d. **Off the step** (``lag`` = k > 0, the engine's ``compression_lag``): the prompt-end
+   compression and each due recompression are *decided* as in step 2 (the policy state advances
+   then), and *applied* k engine forwards later for the prompt end, k - 1 for a recompression
+   (the engine packs at its k-th bind after the launch; the prompt end launches at the bind
+   before the first decode forward, a recompression after the forward that made it due). In
+   between, decode attends the stores as they were, and there is no due check. Applying keeps
+   each head's selected slots plus every token appended since the decision; ``state.compressions``
+   increments and the observed sums restart then. A decision never applied (the generation
+   ended first) is not recorded.
 
 **Context scope** (``scope=context``, C = ``policy.context_end(P)``): ``RequestState.prompt_len``
 is C, the query windows hold only queries of positions before C, and step 2 runs once, after the
@@ -73,6 +82,7 @@ after ``max_new_tokens`` tokens or at a token in ``stop_token_ids`` (included in
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -386,10 +396,20 @@ def _prefill(model: PreTrainedModel, session: _Session, prompt: Sequence[int], p
     return token, logprob
 
 
-def _compress(
-    session: _Session, policy: Policy, state: RequestState, step: int, num_tokens: int, block_size: int | None
-) -> dict[str, Any]:
-    """Step 2 of the module docstring on every layer; returns the compression record."""
+@dataclass
+class _Decision:
+    """A compression decided at ``num_tokens`` and not applied yet (``lag``: step 2d)."""
+
+    step: int
+    num_tokens: int
+    selections: list[Selection]
+    num_slots: list[int]
+    remaining: int  # engine forwards still to run before it is applied
+
+
+def _decide(session: _Session, policy: Policy, state: RequestState, step: int, num_tokens: int,
+            block_size: int | None, remaining: int = 0) -> _Decision:
+    """Step 2's decision on every layer (nothing kept or evicted yet)."""
     state.page_quantum = None if block_size is None else (block_size, num_tokens % block_size)
     layers = session.compressed_layers()
     through = session.observed_through if step > 0 and session.observes else None  # a decode recompression
@@ -401,11 +421,41 @@ def _compress(
     selections = policy.decide(views, state)
     if len(selections) != len(layers):
         raise ValueError(f"policy {policy.name!r} returned {len(selections)} selections for {len(layers)} layers")
+    return _Decision(step, num_tokens, selections, [view.num_slots for view in views], remaining)
+
+
+def _apply(session: _Session, state: RequestState, decision: _Decision, num_tokens: int) -> dict[str, Any]:
+    """Step 2's eviction of ``decision`` at ``num_tokens`` (every token since it kept); the record."""
     state.compressions += 1
-    evicted = sum(session.store(i).keep(sel, view.num_slots) for i, sel, view in zip(layers, selections, views))
+    layers, extra = session.compressed_layers(), num_tokens - decision.num_tokens
+    evicted = 0
+    for i, sel, slots in zip(layers, decision.selections, decision.num_slots):
+        if extra:
+            sel = dataclasses.replace(sel, indices=[torch.cat([torch.as_tensor(idx, dtype=torch.long).cpu(),
+                                                               torch.arange(slots, slots + extra)])
+                                                    for idx in sel.indices])
+        evicted += session.store(i).keep(sel, slots + extra)
     session.observe_from_now(num_tokens)
     kept = [session.store(i).lengths() for i in layers]
-    return {"step": step, "num_tokens": num_tokens, "kept": kept, "evicted": evicted}
+    return {"step": decision.step, "num_tokens": decision.num_tokens, "switched": num_tokens, "kept": kept,
+            "evicted": evicted}
+
+
+def _compress(
+    session: _Session, policy: Policy, state: RequestState, step: int, num_tokens: int, block_size: int | None
+) -> dict[str, Any]:
+    """Step 2 of the module docstring on every layer; returns the compression record."""
+    return _apply(session, state, _decide(session, policy, state, step, num_tokens, block_size), num_tokens)
+
+
+def _compression_due(session: _Session, policy: Policy, state: RequestState, step: int, num_tokens: int,
+                     block_size: int | None, lag: int, result: OracleResult) -> _Decision | None:
+    """Step 2 at ``num_tokens`` (``step`` decode forwards in), recorded in ``result``; with
+    ``lag`` (step 2d) decided only, returned to be applied later."""
+    if not lag:
+        result.compressions.append(_compress(session, policy, state, step, num_tokens, block_size))
+        return None
+    return _decide(session, policy, state, step, num_tokens, block_size, remaining=lag if step == 0 else lag - 1)
 
 
 @torch.inference_mode()
@@ -421,6 +471,7 @@ def generate(
     prefill_chunk: int | Sequence[int] | None = None,
     decode_forwards: Sequence[int] | None = None,
     decode_drafts: Sequence[int] | None = None,
+    lag: int = 0,
 ) -> OracleResult:
     """Greedy generation with ``policy`` applied to the cache exactly as the module docstring says.
 
@@ -431,7 +482,7 @@ def generate(
     positions (the engine's chunk boundaries), see step 1b. ``decode_forwards`` gives how many
     tokens each decode forward of the engine confirmed (speculative decoding), see step 3b;
     ``decode_drafts`` how many draft tokens each verified (a forward with drafts is not observed,
-    step 3c; default none).
+    step 3c; default none). ``lag`` > 0: step 2d (the engine's ``compression_lag``).
     """
     if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         raise ValueError(f"load the model with oracle.load_model (attn_implementation={ATTN_IMPLEMENTATION!r})")
@@ -457,15 +508,19 @@ def generate(
     processed = len(prompt_token_ids)
     result.token_ids.append(token)
     result.logprobs.append(logprob)
+    pending: _Decision | None = None
     if compresses:
         policy.start_prefill_compression(state)
-        result.compressions.append(_compress(session, policy, state, 0, processed, block_size))
+        pending = _compression_due(session, policy, state, 0, processed, block_size, lag, result)
     forwards, drafts = iter(decode_forwards or ()), iter(decode_drafts or ())
     decode_steps = steps_since = 0
     left = next(forwards, 1)  # tokens still to come in this engine forward
     if next(drafts, 0):
         session.observing = False
     while len(result.token_ids) < max_new_tokens and token not in stop_token_ids:
+        if pending is not None and pending.remaining == 0:  # step 2d: applied before this forward
+            result.compressions.append(_apply(session, state, pending, processed))
+            pending, steps_since = None, 0
         token, logprob = _forward(model, session, [token], processed)
         processed += 1
         result.token_ids.append(token)
@@ -476,8 +531,10 @@ def generate(
         left = next(forwards, 1)
         decode_steps += 1
         steps_since += 1
-        if compresses and policy.recompresses and policy.due(state, session.max_live(), steps_since):
-            result.compressions.append(_compress(session, policy, state, decode_steps, processed, block_size))
+        if pending is not None:  # no due check while a decision waits (step 2d)
+            pending.remaining -= 1
+        elif compresses and policy.recompresses and policy.due(state, session.max_live(), steps_since):
+            pending = _compression_due(session, policy, state, decode_steps, processed, block_size, lag, result)
             steps_since = 0
         if next(drafts, 0):  # the next engine forward verifies drafts: its queries are not observed
             session.observing = False

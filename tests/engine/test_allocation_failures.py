@@ -1,7 +1,8 @@
 """A compression that cannot get memory is not fatal (issue #69 item 3).
 
 The allocator is made to refuse one allocation of one compression: every tensor an aten operation
-creates inside ``KVCompWorker._compress`` counts (the cache's own buffers, host planning tensors,
+creates inside ``KVCompWorker._compress`` (off the step: its decision on the side thread and its
+switch in the step) counts (the cache's own buffers, host planning tensors,
 the policy's scores), and the chosen one raises ``torch.OutOfMemoryError`` as a CUDA allocator
 does. Whatever the point, the request must be left exactly as it was (the harness reads every
 scheduled request's KV back after every step), complete, give every block back, and the engine
@@ -30,6 +31,11 @@ SCENARIOS = {
     "stream chunk": ({"policy": "lagkv", "prefill": "stream"}, {"max_num_batched_tokens": 128}, (False, 0)),
     "recompression": ({"policy": "h2o"}, {}, (True, 0)),
     "copy-on-compress": ({"policy": "snapkv"}, {"prefix_caching": True}, (False, 0)),
+    # decided off the step (engine/offload.py), packed at the 2nd bind after
+    "prompt end, off the step": ({"policy": "snapkv"}, {"compression_lag": 2}, (False, 0)),
+    "recompression, off the step": ({"policy": "h2o"}, {"compression_lag": 2}, (True, 0)),
+    "copy-on-compress, off the step": ({"policy": "snapkv"}, {"prefix_caching": True, "compression_lag": 2},
+                                       (False, 0)),
 }
 
 
@@ -73,11 +79,39 @@ def arm(monkeypatch, target: tuple[bool, int], allocator: RefusingAllocator) -> 
     return seen
 
 
+def arm_off_the_step(monkeypatch, target: tuple[bool, int], allocator: RefusingAllocator) -> list[bool]:
+    """As :func:`arm` for a compression decided off the step: its decision (on the side thread)
+    and its switch (in the step) under ``allocator``."""
+    seen: list[bool] = []
+    targeted: list[object] = []
+    decide, switch = KVCompWorker._decide, KVCompWorker._switch
+
+    def watched_decide(self, state, block_ids, end, decode, policy_state):
+        rank = sum(1 for d in seen if d == decode)
+        seen.append(decode)
+        if (decode, rank) != target:
+            return decide(self, state, block_ids, end, decode, policy_state)
+        with allocator:  # a dispatch mode is per thread: entered on the side thread
+            decision = decide(self, state, block_ids, end, decode, policy_state)
+        targeted.append(decision)
+        return decision
+
+    def watched_switch(self, rid, state, sched, decision, now, started=None):
+        if decision not in targeted:
+            return switch(self, rid, state, sched, decision, now, started)
+        with allocator:
+            return switch(self, rid, state, sched, decision, now, started)
+
+    monkeypatch.setattr(KVCompWorker, "_decide", watched_decide)
+    monkeypatch.setattr(KVCompWorker, "_switch", watched_switch)
+    return seen
+
+
 def _run(tiny_model_dir, name: str, refuse: int | None, monkeypatch) -> tuple[StepHarness, RefusingAllocator]:
     spec, options, target = SCENARIOS[name]
     allocator = RefusingAllocator(refuse)
     with monkeypatch.context() as patch:
-        arm(patch, target, allocator)
+        (arm_off_the_step if options.get("compression_lag") else arm)(patch, target, allocator)
         h = StepHarness(tiny_model_dir, **options)
         policy = spec["policy"]
         if options.get("prefix_caching"):  # a first reader caches the prompt; the second shares it

@@ -122,7 +122,27 @@ def test_a_postponed_compaction_waits_and_its_point_moves_with_the_tokens():
     assert life.phase is Phase.DECODE and life.spares_needed == 0 and life.prompt_end is None
 
 
+def test_a_compression_decided_off_the_step_decodes_meanwhile_then_switches():
+    life = Lifecycle()
+    life.prompt_complete(100)
+    life.launched()  # the prompt end, decided on the side thread
+    assert life.phase is Phase.COMPRESSING and not life.compression_pending
+    assert [life.waited(), life.waited()] == [1, 2]  # two steps bound while it was decided
+    life.compressed()
+    assert life.phase is Phase.DECODE and life.prompt_end is None and life.steps_since == 0
+    life.decoded()
+    life.launched()  # a due recompression
+    assert life.phase is Phase.COMPRESSING and life.steps_waited == 0
+    life.await_spares(4)  # copy-on-compress: the switch found too few spares, the decision kept
+    assert life.phase is Phase.AWAITING_SPARES
+    life.compressed()
+    assert life.phase is Phase.DECODE
+
+
 @pytest.mark.parametrize(("setup", "transition"), [
+    ([], lambda life: life.launched()),  # nothing to decide in prefill (a stream chunk is decided in the step)
+    ([], lambda life: life.waited()),
+    (["prompt", "compress"], lambda life: life.waited()),  # nothing is being decided
     ([], lambda life: life.decoded()),  # no decode before the prompt is compressed
     ([], lambda life: life.await_spares(3)),  # nothing to wait for in prefill
     (["prompt", "compress"], lambda life: life.prompt_complete(5)),  # a decoding prompt is done

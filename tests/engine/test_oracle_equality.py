@@ -24,13 +24,13 @@ def oracle_model(engine):
     return load_model(engine.model_dir)
 
 
-def _oracle(engine, oracle_model, prompt, name, tokens=MAX_TOKENS, **settings):
+def _oracle(engine, oracle_model, prompt, name, tokens=MAX_TOKENS, lag=0, **settings):
     from vllm_kvcomp.engine.policy_factory import PolicyFactory
     from vllm_kvcomp.oracle import generate as oracle_generate
 
     spec = CompressionSpec.from_mapping({"policy": name, **SPECS[name], **settings})
     policy = PolicyFactory(str(engine.model_dir)).build(spec)
-    return oracle_generate(oracle_model, prompt, policy, tokens, block_size=BLOCK_SIZE)
+    return oracle_generate(oracle_model, prompt, policy, tokens, block_size=BLOCK_SIZE, lag=lag)
 
 
 def _assert_same(vllm_out, expected, label):
@@ -51,6 +51,28 @@ def test_policy_matches_oracle(engine, oracle_model, name):
         assert stats is None
     else:
         assert stats["compressions"] == len(expected.compressions)
+
+
+@pytest.fixture
+def lagged(engine):
+    """The engine decides its compressions off the step and packs them at the 2nd bind after
+    (``compression_lag`` 2: the same steps every run), for one test."""
+    worker = engine.worker_connector
+    worker.configure_offload(2)
+    yield 2
+    worker.configure_offload(0)
+
+
+@pytest.mark.parametrize("name", [n for n in POLICY_NAMES if n != "full"])
+def test_compressions_decided_off_the_step_match_the_oracle(engine, oracle_model, lagged, name):
+    """Decided on the side thread while the request decodes over the pages it has, packed with
+    every token since: equal to the oracle that applies each decision where the engine did."""
+    prompt = prompt_ids(PROMPT_LEN, seed=300)
+    out = generate(engine, [prompt], params(MAX_TOKENS, policy=name, **SPECS[name]))[0]
+    expected = _oracle(engine, oracle_model, prompt, name, lag=lagged)
+    _assert_same(out, expected, f"{name}, lag {lagged}")
+    assert out.kv_transfer_params["kvcomp"]["compressions"] == len(expected.compressions) >= 1
+    assert all(c["switched"] > c["num_tokens"] for c in expected.compressions)  # it decoded meanwhile
 
 
 def test_mixed_batch_matches_oracle(engine, oracle_model):

@@ -232,6 +232,9 @@ class StepHarness:
     profiles: dict[str, str] | None = None
     verify_kv: bool = True  # the runner checks every scheduled request's KV after each step
     seed: int = 0
+    #: the worker's ``compression_lag`` (:mod:`vllm_kvcomp.engine.offload`): 0 inside the step,
+    #: k > 0 off it and packed at the k-th bind after (deterministic), None when ready
+    compression_lag: int | None = 0
     outputs: dict[str, list[int]] = field(default_factory=dict)  # request id -> generated tokens
     results: dict[str, dict[str, Any] | None] = field(default_factory=dict)  # finished: kv_transfer_params
     peak_in_use: int = 0
@@ -304,6 +307,8 @@ class StepHarness:
         buffer = torch.zeros(len(names), self.num_blocks, heads, self.block_size, 2 * dim)
         factory = PolicyFactory(str(self.model_dir), self.profiles)  # loads razor / pod profiles
         worker = KVCompWorker(block_size=self.block_size, policy_builder=factory.build)
+        if hasattr(worker, "configure_offload"):
+            worker.configure_offload(self.compression_lag)
         cache_cls = CudaPagedCache if self.paged_cache == "cuda" else functools.partial(CpuPagedCache, isa="vec")
         caches, index = {name: buffer[i] for i, name in enumerate(names)}, {name: i for i, name in enumerate(names)}
         if "variants" in inspect.signature(worker.register).parameters:  # how each layer attends (scale, ...)

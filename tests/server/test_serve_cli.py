@@ -42,6 +42,31 @@ def test_cpu_defaults_and_kvcomp_wiring(model_dir):
     assert args.kv_compression_config is None
 
 
+@pytest.mark.parametrize(("flag", "lag"), [([], None), (["--compression-lag", "auto"], "auto"),
+                                         (["--compression-lag", "0"], 0), (["--compression-lag", "3"], 3)])
+def test_compression_lag_reaches_the_connector(model_dir, flag, lag):
+    """Unset, the connector picks the platform's default (engine/offload.py's parse_lag)."""
+    extra = parse([str(model_dir), *flag]).kv_transfer_config.kv_connector_extra_config or {}
+    assert extra.get("compression_lag") == lag
+
+
+@pytest.mark.parametrize("value", ["-1", "soon", "1.5"])
+def test_a_bad_compression_lag_is_refused_naming_the_choices(model_dir, value, capsys):
+    with pytest.raises(SystemExit):
+        parse([str(model_dir), "--compression-lag", value])
+    assert "--compression-lag: expected auto or a whole number of steps >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", [-1, "soon", 1.5, True])
+def test_the_connector_refuses_a_bad_compression_lag(value):
+    from vllm_kvcomp.engine.offload import parse_lag
+
+    with pytest.raises(ValueError, match="compression_lag must be 'auto' or an integer >= 0"):
+        parse_lag(value)
+    assert parse_lag("auto") is None and parse_lag(4) == 4
+    assert parse_lag(None, "cuda") is None and parse_lag(None, "cpu") == 0  # unset: the platform's default
+
+
 def test_explicit_flags_win_over_the_cpu_defaults(model_dir):
     args = parse([str(model_dir), "--dtype", "bfloat16", "--max-model-len", "1024", "--no-enforce-eager",
                   "--gpu-memory-utilization", "0.3", "--middleware", "my.Middleware"])

@@ -5,18 +5,24 @@ compression work, so that no step with it is longer than 1.5x the median).
 In-process engine (bundled model, vLLM CPU, prefix caching off): ``--streams`` uncompressed
 requests decode while one request of ``N`` tokens (``--lengths``) arrives with the policy's spec,
 is prefilled, compressed and decodes ``--decode-tokens`` tokens (recompressing where its policy
-does). Every engine step is timed; the worker's compressions come with their seconds from its
-``listeners`` (the engine runs in this process; the prompt-end one runs when the step after the prompt's last chunk binds, ``prefill=stream`` /
-``block`` chunks and decode recompressions after a step's forward). From the arriving request's
-first token on, the median step without compression work is the batch's decode step; the table
-gives against it the most compression work one step carried (the target: at most half of it),
-the longest step with compression work (a ``prefill=stream`` / ``block`` chunk's step is long by
-its own prefill too), and the longest step without (the noise floor: full cache's row).
+does), once per ``--compression-lag`` (set on the live worker between runs): 0 decides and packs
+each compression inside a step (the prompt-end one when the step after the prompt's last chunk
+binds, ``prefill=stream`` / ``block`` chunks and decode recompressions after a step's forward);
+``auto`` decides the prompt-end one and recompressions on the side thread and packs them at a
+later step (:mod:`vllm_kvcomp.engine.offload`). Every engine step is timed; the worker's
+compressions come with their in-step seconds from its ``listeners`` (the engine runs in this
+process), and a step during which a decision was being made off it counts as a step with
+compression work. From the arriving request's first token on, the median step without
+compression work is the batch's decode step; the table gives against it the most compression
+work one step carried (the target: at most half of it), the longest step with compression work
+(the target: at most 1.5x; a ``prefill=stream`` / ``block`` chunk's step is long by its own
+prefill too), how many tokens each decision waited to be packed, and the longest step without
+(the noise floor: full cache's row).
 
 ::
 
     vllm-kvcomp bench stall                                    # every policy, 2048 and 8000 tokens
-    vllm-kvcomp bench stall --policies h2o,snapkv:decode=recompress --lengths 2048
+    vllm-kvcomp bench stall --policies h2o,snapkv:decode=recompress --lengths 2048 --compression-lag auto
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--streams", type=int, default=4, help="uncompressed requests decoding meanwhile")
     parser.add_argument("--decode-tokens", type=int, default=96, help="output tokens of the arriving request")
     parser.add_argument("--chunk", type=int, default=2048, help="tokens per engine step (the prefill chunk)")
+    parser.add_argument("--compression-lag", default="0,auto",
+                        help="comma list of the engine's compression_lag values to run each config at, side by "
+                             "side: 0 (inside the step), auto (decided off the step, packed when ready), k steps")
 
 
 @dataclass
@@ -52,6 +61,11 @@ class Step:
     seconds: float
     compression: float  # seconds of compression work in this step
     kinds: list[str] = field(default_factory=list)  # "prompt end", "prefill chunk", "decode"
+    in_flight: bool = False  # a compression was being decided off the step during it
+
+    @property
+    def loaded(self) -> bool:
+        return bool(self.kinds) or self.in_flight
 
 
 @dataclass
@@ -63,6 +77,7 @@ class Stalls:
     heaviest: Step | None  # the step with the most compression work
     other: float  # the longest step without compression work
     compressions: int
+    lags: list[int]  # tokens decoded between each decision and its packing (0: inside the step)
 
 
 class CompressionClock:
@@ -71,11 +86,15 @@ class CompressionClock:
     def __init__(self, length: int = 0) -> None:
         self.step = Step(0.0, 0.0)
         self.length = length  # the arriving request's prompt: a compression before it is a chunk's
+        self.packed = 0  # compressions packed (their events)
+        self.lags: list[int] = []  # tokens decoded between each decision and its packing
 
     def __call__(self, event) -> None:
-        self.step.compression += event.seconds
+        self.step.compression += event.step_seconds
         kind = "decode" if event.decode else "prefill chunk" if event.num_tokens < self.length else "prompt end"
         self.step.kinds.append(kind)
+        self.packed += 1
+        self.lags.append(event.switched - event.num_tokens)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -94,23 +113,33 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(model=model, dtype="float32", enforce_eager=True, block_size=32,
               max_model_len=max(lengths) + args.decode_tokens + 64, max_num_batched_tokens=args.chunk,
               distributed_executor_backend="uni", enable_prefix_caching=False,
-              kv_transfer_config=kv_transfer_config(), kv_cache_memory_bytes=cpu_kv_cache_bytes(), seed=0)
+              kv_transfer_config=kv_transfer_config(compression_lag=0),
+              kv_cache_memory_bytes=cpu_kv_cache_bytes(), seed=0)
     clock = CompressionClock()
-    active_worker().listeners.append(clock)
-    rows = []
+    worker = active_worker()
+    worker.listeners.append(clock)
+    rows, lags = [], [_lag(value.strip()) for value in args.compression_lag.split(",") if value.strip()]
     for n in lengths:
         for label in ["full", *(label for label in labels if label != "full")]:
             policy, _, settings = label.partition(":")
             ratio = floors.get(policy, [args.ratio])[0]
-            rows.append(_measure(llm.llm_engine, clock, args, label, n, spec_xargs(policy, ratio, settings)))
-            _print(rows[-1])
+            for lag in lags[:1] if label == "full" else lags:
+                worker.configure_offload(None if lag == "auto" else lag)  # the engine's compression_lag
+                shown = label if label == "full" or len(lags) == 1 else f"{label}, lag {lag}"
+                rows.append(_measure(llm.llm_engine, worker, clock, args, shown, n,
+                                     spec_xargs(policy, ratio, settings)))
+                _print(rows[-1])
     body = _report(args, rows, floors)
     print(body)
     write_report(args.out, args.command, body)
     return 0
 
 
-def _measure(engine, clock: CompressionClock, args: argparse.Namespace, label: str, n: int,
+def _lag(value: str) -> int | str:
+    return value if value == "auto" else int(value)
+
+
+def _measure(engine, worker, clock: CompressionClock, args: argparse.Namespace, label: str, n: int,
              extra: dict | None) -> Stalls:
     """One arriving request (``extra``'s spec) among ``args.streams`` decoding ones."""
     from vllm import SamplingParams
@@ -125,16 +154,16 @@ def _measure(engine, clock: CompressionClock, args: argparse.Namespace, label: s
     target = f"{label}-{n}"
     sp = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True, extra_args=extra)
     engine.add_request(target, {"prompt_token_ids": [rng.randrange(10, 48000) for _ in range(n)]}, sp)
-    steps, started, compressions = [], False, 0
-    clock.length = n
+    steps, started = [], False
+    clock.length, clock.packed, clock.lags = n, 0, []
     while True:
-        clock.step = Step(0.0, 0.0)
+        clock.step = Step(0.0, 0.0, in_flight=worker.in_flight > 0)
         t0 = time.perf_counter()
         outputs = engine.step()
         clock.step.seconds = time.perf_counter() - t0
-        compressions += len(clock.step.kinds)
+        clock.step.in_flight |= worker.in_flight > 0
         mine = [o for o in outputs if o.request_id == target]
-        if started or clock.step.kinds:
+        if started or clock.step.loaded:
             steps.append(clock.step)
         started = started or any(o.outputs and o.outputs[0].token_ids for o in mine)
         if any(o.finished for o in mine):
@@ -142,37 +171,49 @@ def _measure(engine, clock: CompressionClock, args: argparse.Namespace, label: s
     engine.abort_request(streams)
     while engine.has_unfinished_requests():
         engine.step()
-    plain = [s.seconds for s in steps if not s.kinds]
-    loaded = [s for s in steps if s.kinds]
-    return Stalls(label, n, statistics.median(plain), max(loaded, key=lambda s: s.seconds, default=None),
-                  max(loaded, key=lambda s: s.compression, default=None), max(plain), compressions)
+    plain = [s.seconds for s in steps if not s.loaded]  # none: decided off the step until the end
+    loaded = [s for s in steps if s.loaded]
+    return Stalls(label, n, statistics.median(plain or [s.seconds for s in steps]), max(loaded, key=lambda s: s.seconds, default=None),
+                  max(loaded, key=lambda s: s.compression, default=None), max(plain, default=0.0), clock.packed,
+                  clock.lags)
+
+
+def _kinds(step: Step) -> str:
+    return ", ".join([*sorted(set(step.kinds)), *(["in flight"] if step.in_flight else [])])
+
+
+def _lags(r: Stalls) -> str:
+    return "-" if not r.lags else f"{min(r.lags)}-{max(r.lags)}" if len(set(r.lags)) > 1 else str(r.lags[0])
 
 
 def _print(r: Stalls) -> None:
     worst = "no compression" if r.heaviest is None else (
         f"most compression work in a step {1e3 * r.heaviest.compression:.0f} ms "
-        f"({r.heaviest.compression / r.median:.2f}x, {', '.join(r.heaviest.kinds)}), longest step with it "
-        f"{1e3 * r.longest.seconds:.0f} ms ({r.longest.seconds / r.median:.2f}x)")
+        f"({r.heaviest.compression / r.median:.2f}x, {_kinds(r.heaviest)}), longest step with it "
+        f"{1e3 * r.longest.seconds:.0f} ms ({r.longest.seconds / r.median:.2f}x), packed after {_lags(r)} tokens")
     print(f"{r.label:32s} {r.length:6d}: median step {1e3 * r.median:.1f} ms, {worst}", flush=True)
 
 
 def _report(args: argparse.Namespace, rows: list[Stalls], floors: dict[str, list[float]]) -> str:
     lifted = "; ".join(f"{p} at {r[0]:g} (refuses {args.ratio:g})" for p, r in floors.items())
-    lines = [f"{model_line(args.model)}, block size 32, {args.chunk}-token steps; {args.streams} uncompressed "
+    lines = [f"{model_line(args.model)}, block size 32, {args.chunk}-token steps, each config at compression_lag "
+             f"{args.compression_lag.replace(',', ', ')}; {args.streams} uncompressed "
              f"streams ({STREAM_PROMPT}-token prompts) decode while a request of N tokens at ratio {args.ratio:g} "
              f"arrives, is compressed and decodes {args.decode_tokens} tokens" + (f"; {lifted}" if lifted else "")
-             + ". Steps from its first token on (and any step with compression work). Target: no step carries "
-             "more than half a median decode step of compression work.", "",
+             + ". Steps from its first token on (and any step with compression work: in the step, or decided "
+             "off it meanwhile). Targets: no step carries more than half a median decode step of compression "
+             "work; no step with compression work is longer than 1.5x the median.", "",
              "| config | N | median step ms | most compression work in a step ms (kinds) | vs median (target "
-             "<= 0.5) | longest step with compression vs median | compressions | longest other step vs median |",
-             "|---|---:|---:|---|---:|---:|---:|---:|"]
+             "<= 0.5) | longest step with compression vs median (target <= 1.5) | compressions | packed after "
+             "(tokens) | longest other step vs median |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r.heaviest is None:
             worst = "| - | - | - "
         else:
-            worst = (f"| {1e3 * r.heaviest.compression:.0f} ({', '.join(sorted(set(r.heaviest.kinds)))}) | "
-                     f"**{r.heaviest.compression / r.median:.2f}x** | {r.longest.seconds / r.median:.2f}x ")
-        lines.append(f"| {r.label} | {r.length} | {1e3 * r.median:.1f} {worst}| {r.compressions} | "
+            worst = (f"| {1e3 * r.heaviest.compression:.0f} ({_kinds(r.heaviest)}) | "
+                     f"**{r.heaviest.compression / r.median:.2f}x** | **{r.longest.seconds / r.median:.2f}x** ")
+        lines.append(f"| {r.label} | {r.length} | {1e3 * r.median:.1f} {worst}| {r.compressions} | {_lags(r)} | "
                      f"{r.other / r.median:.2f}x |")
     return "\n".join(lines)
 

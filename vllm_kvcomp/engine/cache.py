@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -139,7 +140,7 @@ class PagedCache(ABC):
         self.dtype = caches[0].dtype
         self.device = caches[0].device
         self.pages = torch.as_strided(caches[0], (self.num_pages, self.page_elems), (self.page_elems, 1), 0)
-        self._scratch: dict[str, torch.Tensor] = {}
+        self._scratch: dict[tuple[int, str], torch.Tensor] = {}
 
     @abstractmethod
     def read_cells(self, pages: torch.Tensor, offsets: torch.Tensor, values: bool = True) -> Tensors:
@@ -154,11 +155,12 @@ class PagedCache(ABC):
 
     def scratch(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """A reused buffer of ``shape`` (grown when too small; fresh allocations of the size of
-        a whole request's cache cost more in page faults than the copy itself)."""
-        size = math.prod(shape)
-        buf = self._scratch.get(name)
+        a whole request's cache cost more in page faults than the copy itself), one per thread: a
+        compression decided off the step reads pages while the step attends and moves."""
+        size, key = math.prod(shape), (threading.get_ident(), name)
+        buf = self._scratch.get(key)
         if buf is None or buf.numel() < size:
-            buf = self._scratch[name] = torch.empty(size, dtype=self.dtype, device=self.device)
+            buf = self._scratch[key] = torch.empty(size, dtype=self.dtype, device=self.device)
         return buf[:size].view(shape)
 
     @abstractmethod

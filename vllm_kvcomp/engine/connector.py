@@ -21,6 +21,7 @@ from vllm_kvcomp.engine import support
 from vllm_kvcomp.engine.cache import AttentionVariant, CpuPagedCache, CudaPagedCache, PagedCache
 from vllm_kvcomp.engine.metadata import StepMetadata, WorkerReport
 from vllm_kvcomp.engine.metrics import KVCompPromMetrics, KVCompStats
+from vllm_kvcomp.engine.offload import parse_lag
 from vllm_kvcomp.engine.plugin import CONNECTOR_NAME, bind_worker
 from vllm_kvcomp.engine.policy_factory import PolicyFactory
 from vllm_kvcomp.engine.scheduler import KVCompScheduler
@@ -173,6 +174,7 @@ class KVCompConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self.worker = KVCompWorker(block_size=block_size, policy_builder=factory.build,
                                        ranks=vllm_compat.tensor_parallel_ranks())
+            self.worker.configure_offload(parse_lag(extra.get("compression_lag"), vllm_compat.platform_kind()))
             if unavailable is not None:
                 self.worker.disable(unavailable)
             bind_worker(self.worker)

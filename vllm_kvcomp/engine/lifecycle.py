@@ -31,7 +31,8 @@ handed out in step t+2 at the earliest, spares wait for the report that asks for
                                                     over the confirmed tokens only (num_computed)
 
     any state ──preempted (build_meta: dropped) ──▶ forgotten on both sides; vLLM recomputes the
-        prompt and the request starts over at TRACKED / PREFILL (spares released)
+        prompt and the request starts over at TRACKED / PREFILL (spares released; a decision
+        still being made is cancelled or, made, dropped unread: it never wrote to the cache)
     any state ──finished or aborted (request_finished: dropped) ──▶ forgotten; spares released
 
 A worker that cannot compress on this engine (:meth:`KVCompWorker.disable`) sends ``unavailable``
@@ -50,6 +51,7 @@ class Phase(Enum):
     PREFILL = "prefill"  # its prompt is not all in the cache yet
     PROMPT_END = "prompt_end"  # the prompt is in; compressed when the next step binds
     AWAITING_SPARES = "awaiting_spares"  # copy-on-compress postponed until enough spares come
+    COMPRESSING = "compressing"  # its compression is being decided off the step; decodes meanwhile
     DECODE = "decode"  # compressed at the end of its prompt (or kept everything); may recompress
 
 
@@ -76,6 +78,8 @@ class Lifecycle:
     steps_since: int = 0  # DECODE: forwards since the last compression
     #: DECODE: the last forward verified draft tokens; its recompression check waits for bind
     check_deferred: bool = False
+    #: COMPRESSING: steps bound since the launch (the switch waits for the decision at ``lag``)
+    steps_waited: int = 0
     #: copy-on-compress: column -> spare block the first compaction packed into (the scheduler's
     #: block table says so too once it processed the report; until then this is the truth)
     block_override: dict[int, int] = field(default_factory=dict)
@@ -95,14 +99,25 @@ class Lifecycle:
             self.phase = Phase.PROMPT_END
         self.prompt_end = end
 
+    def launched(self) -> None:
+        """Its compression is decided off the step from now on (prompt end or a due recompression)."""
+        self._expect(Phase.PROMPT_END, Phase.DECODE)
+        self.phase, self.steps_waited = Phase.COMPRESSING, 0
+
+    def waited(self) -> int:
+        """bind while COMPRESSING: one more step bound since the launch; how many."""
+        self._expect(Phase.COMPRESSING)
+        self.steps_waited += 1
+        return self.steps_waited
+
     def await_spares(self, needed: int) -> None:
         """The compaction needs ``needed`` spares and got fewer: postponed, policy state rolled back."""
-        self._expect(Phase.PROMPT_END, Phase.AWAITING_SPARES)
+        self._expect(Phase.PROMPT_END, Phase.AWAITING_SPARES, Phase.COMPRESSING)
         self.phase, self.spares_needed = Phase.AWAITING_SPARES, needed
 
     def compressed(self) -> None:
-        """A compression ran (the prompt-end one moves the request to DECODE)."""
-        if self.compression_pending:
+        """A compression ran (the prompt-end one, or one decided off the step, moves the request to DECODE)."""
+        if self.compression_pending or self.phase is Phase.COMPRESSING:
             self.phase, self.prompt_end, self.spares_needed = Phase.DECODE, None, 0
         self.steps_since = 0
 

@@ -60,9 +60,11 @@ class CompressionEvent:
     tokens_evicted: int  # summed over layers and heads
     tokens_total: int  # live (layer, head, token) cells before, summed
     num_heads: int  # (layer, KV head) pairs of this worker
-    num_tokens: int  # logical length of the request at this compression
-    seconds: float
+    num_tokens: int  # logical length of the request at this compression's decision
+    seconds: float  # deciding and packing it, wherever it ran
     decode: bool
+    step_seconds: float = 0.0  # of ``seconds``, inside a step (all of it unless decided off the step)
+    switched: int = -1  # logical length when its pages were packed (> num_tokens: decided off the step)
 
 
 @dataclass
@@ -97,7 +99,8 @@ class WorkerReport(KVConnectorWorkerMetadata):
                 mine, tokens_before=max(mine.tokens_before, e.tokens_before),
                 tokens_after=max(mine.tokens_after, e.tokens_after),
                 tokens_evicted=mine.tokens_evicted + e.tokens_evicted, tokens_total=mine.tokens_total + e.tokens_total,
-                num_heads=mine.num_heads + e.num_heads, seconds=max(mine.seconds, e.seconds))
+                num_heads=mine.num_heads + e.num_heads, seconds=max(mine.seconds, e.seconds),
+                step_seconds=max(mine.step_seconds, e.step_seconds))
         copied = {rid: dict(cols) for rid, cols in self.copied.items()}
         for rid, cols in other.copied.items():
             copied.setdefault(rid, {}).update(cols)

@@ -74,13 +74,17 @@ def backend_overrides(platform: str | None) -> dict[str, str]:
     return {}
 
 
-def kv_transfer_config(profiles: dict[str, str] | None = None, long_prompts: bool = False) -> dict[str, Any]:
+def kv_transfer_config(profiles: dict[str, str] | None = None, long_prompts: bool = False,
+                       compression_lag: int | str | None = None) -> dict[str, Any]:
     """The engine argument that turns kvcomp on (pass as ``kv_transfer_config=``).
 
     ``profiles`` maps a calibration kind (``razor``, ``pod``) to the profile the engine serves
     for it: a name in ``<model>/kvcomp_profiles/`` or a path to a profile JSON file.
     ``long_prompts`` lets ``max_model_len`` exceed the KV cache: only requests compressing during
     prefill (``prefill=stream``) can then use prompts longer than the cache holds.
+    ``compression_lag`` says when a compression decided off the step is packed
+    (:mod:`~vllm_kvcomp.engine.offload`; default ``"auto"``: as soon as it is decided; 0: decided
+    and packed inside the step).
     """
     config: dict[str, Any] = {"kv_connector": CONNECTOR_NAME, "kv_role": "kv_both"}
     extra: dict[str, Any] = {}
@@ -88,6 +92,8 @@ def kv_transfer_config(profiles: dict[str, str] | None = None, long_prompts: boo
         extra["profiles"] = dict(profiles)
     if long_prompts:
         extra["long_prompts"] = True
+    if compression_lag is not None:
+        extra["compression_lag"] = compression_lag
     if extra:
         config["kv_connector_extra_config"] = extra
     return config

@@ -66,7 +66,7 @@ class RequestStats:
         self.compressions += 1
         self.tokens_kept = round(kept / max(event.num_heads, 1))
         self.kept_max_head = event.tokens_after
-        full = event.num_heads * event.num_tokens
+        full = event.num_heads * max(event.num_tokens, event.switched)  # the tokens when packed
         self.kept_fraction = kept / full if full else 1.0
         self.tokens_evicted += event.tokens_evicted
         self.seconds += event.seconds

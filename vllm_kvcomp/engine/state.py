@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
 from vllm_kvcomp.engine.lifecycle import Lifecycle, Phase
+from vllm_kvcomp.engine.offload import Decision, Pending
 from vllm_kvcomp.engine.pages import RequestPages
 from vllm_kvcomp.policies.base import Compensation, Policy, RequestState
 from vllm_kvcomp.spec import CompressionSpec
@@ -100,6 +102,14 @@ class QueryWindow:
         count = min(n, self.size + drafts)
         return n - count, count
 
+    def frozen(self) -> QueryWindow:
+        """A copy holding only :attr:`queries` (its own rows): what a compression decided off
+        the step reads while this window goes on capturing."""
+        queries = self.queries
+        if queries is None:
+            return QueryWindow(self.size, self.limit, self.end)
+        return dataclasses.replace(self, _buffer=queries.clone(), _start=0, _stop=queries.shape[0])
+
     def truncate(self, end: int) -> None:
         """Forget the queries of positions ``>= end`` (tokens the engine rolled back)."""
         if self.end <= end:
@@ -145,6 +155,12 @@ class ObservedAttention:
             self._addresses = self.sums.data_ptr() + rows * self.sums.shape[2] * self.sums.element_size()
         return self._addresses
 
+    def frozen(self) -> ObservedAttention:
+        """A copy with its own sums (a compression decided off the step reads them while the
+        kernel goes on adding to these)."""
+        sums = None if self.sums is None else self.sums.clone()
+        return ObservedAttention(sums, self.through, self.active)
+
     def restart(self, end: int) -> None:
         """After a compression at ``end`` tokens: nothing observed since, every query from now on will be."""
         if self.sums is not None:
@@ -174,6 +190,10 @@ class CompressedRequest:
     #: the longest head over every tensor-parallel rank less the request's length (0 until the
     #: first compaction), agreed at each compression: a step computes ``live`` with no collective
     longest_base: int = 0
+    #: its compression being decided off the step (COMPRESSING), or one decided and waiting for
+    #: copy-on-compress spares (:mod:`~vllm_kvcomp.engine.offload`)
+    pending: Pending | None = None
+    decided: Decision | None = None
 
     @property
     def compressed(self) -> bool:
@@ -205,7 +225,7 @@ class CompressedRequest:
         when the longest head is not known (the first step after a compression)."""
         if not self.reads_queries:
             return False
-        if not self.pages.compressed or drafts or self.live is None:
+        if not self.pages.compressed or drafts or self.live is None or self.lifecycle.phase is Phase.COMPRESSING:
             return True
         size = self.window.size if self.window is not None else 0
         live = self.live[1] + end - self.live[0]

@@ -44,13 +44,13 @@ from vllm_kvcomp.engine.metadata import (
     StepMetadata,
     WorkerReport,
 )
+from vllm_kvcomp.engine.offload import CompressionOffload, Decision, Pending
 from vllm_kvcomp.engine.pages import Move, RequestPages
 from vllm_kvcomp.engine.staging import HostStaging
 from vllm_kvcomp.engine.state import CompressedRequest, ObservedAttention, QueryWindow
 from vllm_kvcomp.params import SpecError
 from vllm_kvcomp.policies.base import (
     ONE_RANK,
-    Compensation,
     LayerKV,
     Ranks,
     RequestState,
@@ -79,7 +79,6 @@ class CompactionPlan:
     move: Move | None  # None: every head kept everything and no token was made
     pages: RequestPages | None  # the request's pages after the move (None: unchanged)
     columns: dict[int, int]  # copy-on-compress: block-table column -> the spare written there
-    compensations: list[Compensation | None]  # per layer
     longest_base: int  # the longest head over every rank after it, less the request's length
     event: CompressionEvent
 
@@ -126,6 +125,10 @@ class KVCompWorker:
         #: called with every compression's event as it is made (``vllm-kvcomp bench stall`` times
         #: steps by them); the scheduler hears of it through the step's report either way
         self.listeners: list[Callable[[CompressionEvent], None]] = []
+        #: when a compression decided off the step is packed (:mod:`~vllm_kvcomp.engine.offload`):
+        #: None at the first bind after it is made, k > 0 at the k-th bind after its launch
+        self.lag: int | None = None
+        self.offload: CompressionOffload | None = None  # made with the cache; None: inside the step
 
     # ------------------------------------------------------------------ setup
     def register(
@@ -151,12 +154,23 @@ class KVCompWorker:
         self.cache = cache_cls([kv_caches[name] for name in order])
         self.variants = [variants[name] for name in order]
         self.staging = HostStaging(self.cache.device)
+        self.configure_offload(self.lag)
         self.tables = StepTables(self.num_layers, self.cache.device)
         if isinstance(out_proj, dict):  # views of the model's weights, no copy
             self.out_proj, self.no_out_proj = [out_proj_heads(out_proj[n], self.cache.head_dim) for n in order], None
         else:
             self.out_proj, self.no_out_proj = [], out_proj or NO_OUT_PROJ
         self._report = WorkerReport(unavailable=self.unavailable)
+
+    def configure_offload(self, lag: int | None) -> None:
+        """``compression_lag`` (:func:`~vllm_kvcomp.engine.offload.parse_lag`): 0 decides and packs
+        inside the step; so does a tensor-parallel engine (its policies' collectives run in the step)."""
+        self.lag = lag
+        inside = lag == 0 or self.ranks.size > 1
+        if self.offload is not None and inside:
+            self.offload.close()
+        if self.cache is not None:
+            self.offload = None if inside else (self.offload or CompressionOffload(self.cache.device))
 
     @property
     def num_layers(self) -> int:
@@ -178,7 +192,9 @@ class KVCompWorker:
         if self.unavailable is not None:
             return
         for rid in meta.dropped:
-            self.requests.pop(rid, None)
+            state = self.requests.pop(rid, None)
+            if state is not None and state.pending is not None:  # never wrote to the cache
+                state.pending.future.cancel()
         self.step = {r.req_id: r for r in meta.requests}
         self._plan = None
         self.trimmed = []
@@ -194,9 +210,14 @@ class KVCompWorker:
             # next token attends the compressed cache exactly as it would have.
             # After a speculative step only the confirmed tokens count (r.num_computed): the
             # rejected drafts' keys are overwritten by this step (and _compress drops their queries).
-            if life.compression_pending and not self._waits_for_spares(state, r):
-                end = min(life.prompt_end, r.num_computed)  # postponed while decoding speculatively
-                self._compress(r.req_id, state, r, end, decode=False)
+            if life.phase is Phase.COMPRESSING:
+                self._switch_if_ready(r.req_id, state, r)
+            elif life.compression_pending and not self._waits_for_spares(state, r):
+                if state.decided is not None:  # decided off the step, then waited for spares
+                    self._switch(r.req_id, state, r, state.decided, r.num_computed)
+                else:
+                    end = min(life.prompt_end, r.num_computed)  # postponed while decoding speculatively
+                    self._compress(r.req_id, state, r, end, decode=False)
             elif life.deferred_check():
                 self._recompress_if_due(r.req_id, state, r, r.num_computed)
 
@@ -372,6 +393,8 @@ class KVCompWorker:
             end = sched.num_computed + sched.num_scheduled
             policy, life = state.policy, state.lifecycle
             live = state.longest_base + end  # over every rank's heads
+            if life.phase is Phase.COMPRESSING or state.decided is not None:
+                continue  # decoding while its compression is decided, or packed at a later bind
             if life.phase is not Phase.DECODE:
                 if end >= sched.prompt_len:
                     life.prompt_complete(end)  # compressed when the next step binds (see bind)
@@ -442,17 +465,16 @@ class KVCompWorker:
             ))
         return inputs
 
-    def _compression_failed(self, rid: str, state: CompressedRequest, snapshot: RequestState | None,
-                            err: Exception, kind: str) -> None:
+    def _compression_failed(self, rid: str, state: CompressedRequest, err: BaseException, kind: str) -> None:
         """The compression stopped before its first write (a bug: ``kind`` "error"; the allocator
-        had no memory for it: "memory"): the request's pages and policy state are as they were.
+        had no memory for it: "memory"): the request's pages and policy state are as they were (a
+        decision works on a copy of the state wherever it is read again).
         Before the first compaction it is served uncompressed and its result says why; after it,
         it keeps what it holds and the next due recompression tries again. Counted in the report."""
         logger.error("request %s: compression failed (%s): %s", rid, kind, err)
-        if snapshot is not None:
-            state.policy_state = snapshot
         self._report.copied.pop(rid, None)  # no spare was written: they all go back
         self._report.failed[rid] = kind
+        state.pending = state.decided = None
         if not state.pages.compressed:
             what = "no memory for the compression" if kind == "memory" else "compression failed"
             self._report.uncompressed[rid] = f"{what}: {err}"
@@ -472,87 +494,151 @@ class KVCompWorker:
         return self._copies(state, sched) and len(sched.spares) < state.lifecycle.spares_needed
 
     def _compress(self, rid: str, state: CompressedRequest, sched: ScheduledRequest, end: int, decode: bool) -> None:
-        """Select and pack, and move the lifecycle on; postponed instead (the lifecycle waits for
-        spares) when copy-on-compress got too few spares: the policy state is rolled back and the
-        scheduler told how many to send. Everything that allocates runs before the first write
-        to the cache; a failure there (a bug, or no memory) leaves the request as it was
-        (:meth:`_compression_failed`) and the engine serving."""
-        started = time.perf_counter()
+        """Compress at ``end`` tokens: off the step (:mod:`~vllm_kvcomp.engine.offload`) for the
+        prompt end and decode recompressions when the engine offloads, else decided and packed
+        here (:meth:`_switch`)."""
         state.live = None  # the heads' lengths change
         state.window.truncate(end)  # queries of rolled-back draft tokens (a no-op otherwise)
-        # what a failure or a postponement restores (before the first compaction a failure serves
-        # the request uncompressed: its policy state is not read again)
-        keep, snapshot = state.pages.compressed or self._copies(state, sched), None
+        if self.offload is not None and state.lifecycle.phase in (Phase.PROMPT_END, Phase.DECODE):
+            self._launch(rid, state, end, decode, torch.tensor(sched.block_ids, dtype=torch.long))
+            return
+        started = time.perf_counter()
+        # decided into a copy where a failure or a postponement reads the state again (before
+        # the first compaction a failure serves the request uncompressed: it is not read again)
+        keep = state.pages.compressed or self._copies(state, sched)
         try:
-            snapshot = copy.deepcopy(state.policy_state) if keep else None
-            plan = self._plan_compaction(rid, state, sched, end, decode, snapshot)
-            if plan is None:  # postponed: waits for spares
-                return
-            if plan.move is not None:
-                self.cache.move(plan.move)  # its temporaries are allocated before its first write
+            decision = self._decide(state, torch.tensor(sched.block_ids, dtype=torch.long), end, decode,
+                                    copy.deepcopy(state.policy_state) if keep else state.policy_state)
         except ValueError as err:  # a bug, not bad input: nothing was moved yet, keep serving
-            self._compression_failed(rid, state, snapshot, err, "error")
+            self._compression_failed(rid, state, err, "error")
             return
         except (RuntimeError, MemoryError) as err:
             if not allocation_failure(err):
                 raise
-            self._compression_failed(rid, state, snapshot, err, "memory")
+            self._compression_failed(rid, state, err, "memory")
             return
+        self._switch(rid, state, sched, decision, end, started)
+
+    def _launch(self, rid: str, state: CompressedRequest, end: int, decode: bool, block_ids: torch.Tensor) -> None:
+        """Decide off the step over frozen copies of what the step goes on changing (the query
+        window, the observed attention, the policy state); the request decodes meanwhile."""
+        frozen = dataclasses.replace(  # the pages' own copy: their cached tables are rebuilt by the step
+            state, pages=copy.copy(state.pages), window=state.window.frozen(),
+            policy_state=copy.deepcopy(state.policy_state),
+            observed=None if state.observed is None else state.observed.frozen())
+        future = self.offload.launch(lambda: self._decide(frozen, block_ids, end, decode, frozen.policy_state))
+        state.pending = Pending(future, end, decode)
+        state.lifecycle.launched()
+
+    @property
+    def in_flight(self) -> int:
+        """Compressions being decided off the step now."""
+        return sum(1 for state in self.requests.values() if state.pending is not None)
+
+    def _switch_if_ready(self, rid: str, state: CompressedRequest, sched: ScheduledRequest) -> None:
+        """bind while COMPRESSING: pack the decision if it is made (or, at a fixed lag's last
+        step, once it is), at the tokens the cache holds now."""
+        waited, pending = state.lifecycle.waited(), state.pending
+        if not pending.future.done() if self.lag is None else waited < self.lag:
+            return
+        started, state.pending = time.perf_counter(), None
+        try:
+            decision = pending.future.result()
+        except (ValueError, RuntimeError, MemoryError) as err:  # the decision's: nothing was written
+            if not isinstance(err, ValueError) and not allocation_failure(err):
+                raise
+            self._compression_failed(rid, state, err, "error" if isinstance(err, ValueError) else "memory")
+            return
+        self.offload.adopt(decision, self.cache.device)
+        self._switch(rid, state, sched, decision, sched.num_computed, started)
+
+    def _decide(self, state: CompressedRequest, block_ids: torch.Tensor, end: int, decode: bool,
+                policy_state: RequestState) -> Decision:
+        """The policy's selection at ``end`` tokens, deciding into ``policy_state``. Reads the
+        cache, writes nothing (safe off the step: see :mod:`~vllm_kvcomp.engine.offload`)."""
+        if not decode:
+            state.policy.start_prefill_compression(policy_state)  # prefill=block: decides afresh
+        inputs = self._layer_inputs(dataclasses.replace(state, policy_state=policy_state), block_ids, end, decode)
+        policy_state.page_quantum = (self.block_size, end % self.block_size)
+        selections = [sel.cpu() for sel in state.policy.decide(inputs, policy_state)]
+        before = torch.stack([kv.valid_lengths() for kv in inputs])  # [L, H]
+        kept = [[idx - (kv.num_slots - int(before[layer, h])) for h, idx in enumerate(sel.indices)]
+                for layer, (kv, sel) in enumerate(zip(inputs, selections))]
+        return Decision(end, decode, kept, before, [sel.compensation for sel in selections], policy_state)
+
+    def _switch(self, rid: str, state: CompressedRequest, sched: ScheduledRequest, decision: Decision, now: int,
+                started: float | None = None) -> None:
+        """Pack ``decision`` at ``now`` tokens (its kept cells and every token since it) and move
+        the lifecycle on; postponed instead (the lifecycle waits for spares, the decision kept)
+        when copy-on-compress got too few spares. Everything that allocates runs before the
+        first write to the cache; a failure there leaves the request as it was."""
+        started = time.perf_counter() if started is None else started
+        try:
+            plan = self._plan_compaction(rid, state, sched, decision, now)
+            if plan is None:  # postponed: waits for spares (decided again then, unless off the step)
+                state.decided = decision if self.offload is not None else None
+                return
+            if plan.move is not None:
+                self.cache.move(plan.move)  # its temporaries are allocated before its first write
+        except ValueError as err:  # a bug, not bad input: nothing was moved yet, keep serving
+            self._compression_failed(rid, state, err, "error")
+            return
+        except (RuntimeError, MemoryError) as err:
+            if not allocation_failure(err):
+                raise
+            self._compression_failed(rid, state, err, "memory")
+            return
+        state.decided = None
         if plan.pages is not None:
             state.pages = plan.pages
             state.lifecycle.block_override.update(plan.columns)
         self._report.freeable_blocks[rid] = state.pages.first_live_col  # 0: natural layout (for other ranks)
-        for layer, comp in enumerate(plan.compensations):
+        for layer, comp in enumerate(decision.compensations):
             if comp is not None:  # the policy folds earlier entries in if it wants
                 state.compensation[layer] = comp
-        state.compensation_version += any(c is not None for c in plan.compensations)
+        state.compensation_version += any(c is not None for c in decision.compensations)
+        state.policy_state = decision.policy_state
         state.lifecycle.compressed()
         state.longest_base = plan.longest_base
+        state.live = None
         if state.observed is not None:  # the policy holds what was observed, by position
-            state.observed.restart(end)
+            state.observed.restart(now)
         state.policy_state.compressions += 1
-        event = dataclasses.replace(plan.event, seconds=time.perf_counter() - started)
+        in_step = time.perf_counter() - started
+        event = dataclasses.replace(plan.event, seconds=decision.seconds + in_step, step_seconds=in_step,
+                                    num_tokens=decision.end, switched=now)
         self._report.events.append(event)
         for listen in self.listeners:
             listen(event)
 
-    def _plan_compaction(self, rid: str, state: CompressedRequest, sched: ScheduledRequest, end: int, decode: bool,
-                         snapshot: RequestState | None) -> CompactionPlan | None:
-        """What :meth:`_compress` writes: the policy's selection, the moves and the new pages, the
-        event, the longest head over every rank; None when copy-on-compress must wait for more
-        spares (the scheduler is told). Writes nothing to the cache."""
-        if not decode:
-            state.policy.start_prefill_compression(state.policy_state)  # prefill=block: decides afresh
+    def _plan_compaction(self, rid: str, state: CompressedRequest, sched: ScheduledRequest, decision: Decision,
+                         now: int) -> CompactionPlan | None:
+        """What :meth:`_switch` writes: the moves and the new pages of ``decision`` at ``now``
+        tokens, the event, the longest head over every rank; None when copy-on-compress must
+        wait for more spares (the scheduler is told). Writes nothing to the cache."""
         block_ids = torch.tensor(sched.block_ids, dtype=torch.long)
-        inputs = self._layer_inputs(state, block_ids, end, decode)
-        state.policy_state.page_quantum = (self.block_size, end % self.block_size)
-        selections = [sel.cpu() for sel in state.policy.decide(inputs, state.policy_state)]
-        before = torch.stack([kv.valid_lengths() for kv in inputs])  # [L, H]
-        kept = [[idx - (kv.num_slots - int(before[layer, h])) for h, idx in enumerate(sel.indices)]
-                for layer, (kv, sel) in enumerate(zip(inputs, selections))]
+        kept, before = decision.at(now), decision.before + (now - decision.end)
         after = torch.tensor([[len(idx) for idx in layer] for layer in kept])
-        compensations = [sel.compensation for sel in selections]
-        compacts = bool((after < before).any()) or any(c is not None for c in compensations)
+        compacts = bool((after < before).any()) or any(c is not None for c in decision.compensations)
         destination, columns = None, {}
         if self._copies(state, sched):
-            mine = state.pages.blocks_needed(kept, end) if compacts else 0
+            mine = state.pages.blocks_needed(kept, now) if compacts else 0
             needed = int(self.ranks.reduce(mine, max))  # every rank postpones, or none
             if needed > len(sched.spares):
-                state.policy_state = snapshot
                 state.lifecycle.await_spares(needed)
                 self._report.spares_needed[rid] = needed
                 return None
             destination = sched.spares[len(sched.spares) - mine :]  # last spare = last column
-            growth = end // self.block_size
+            growth = now // self.block_size
             columns = {growth - mine + i: block for i, block in enumerate(destination)}
             self._report.copied[rid] = columns
-        move, pages = state.pages.compact(kept, block_ids, end, destination) if compacts else (None, None)
+        move, pages = state.pages.compact(kept, block_ids, now, destination) if compacts else (None, None)
         longest = int(self.ranks.reduce(int((pages or state.pages).lengths(0).max()), max))  # over every rank
         event = CompressionEvent(
             req_id=rid, policy=state.spec.policy, tokens_before=int(before.max()), tokens_after=int(after.max()),
             tokens_evicted=int((before - after).sum()), tokens_total=int(before.sum()), num_heads=before.numel(),
-            num_tokens=end, seconds=0.0, decode=decode)
-        return CompactionPlan(move, pages, columns, compensations, longest, event)
+            num_tokens=now, seconds=0.0, decode=decision.decode)
+        return CompactionPlan(move, pages, columns, longest, event)
 
     def take_report(self) -> WorkerReport | None:
         report, self._report = self._report, WorkerReport(unavailable=self.unavailable)

@@ -35,6 +35,7 @@ from typing import Any
 
 from vllm_kvcomp import vllm_compat
 from vllm_kvcomp.engine import support
+from vllm_kvcomp.engine.offload import AUTO, parse_lag
 from vllm_kvcomp.engine.plugin import CONNECTOR_NAME, kv_transfer_config
 from vllm_kvcomp.models import ModelError, resolve_model, served_name
 from vllm_kvcomp.server.operator_config import ConfigError, OperatorConfig
@@ -85,9 +86,25 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Any]]:
         help="start even if --max-model-len tokens do not fit the KV cache: requests compressing during "
         "prefill (prefill=stream) can then use prompts longer than the cache; others get HTTP 400",
     )
+    group.add_argument(
+        "--compression-lag", metavar="auto|STEPS", type=_lag, default=None,
+        help="when a compression is packed: auto (default on GPUs) decides it off the step, on a side "
+        "CUDA stream (a low-priority thread on CPUs), while the request decodes, and packs it at the first "
+        "step after; STEPS > 0 packs it exactly that many steps after it started (reproducible); 0 (default "
+        "on CPUs, whose cores the step uses) decides and packs it inside the step, stalling the batch",
+    )
     vllm_defaults = {name: parser.get_default(name) for name in PLATFORM_FLAGS}
     parser.set_defaults(model=None, **dict.fromkeys(PLATFORM_FLAGS))
     return parser, vllm_defaults
+
+
+def _lag(value: str) -> int | str:
+    """``--compression-lag``: ``auto`` or a whole number of steps."""
+    try:
+        lag = parse_lag(value if value == AUTO else int(value))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a whole number of steps >= 0, got {value!r}") from None
+    return AUTO if lag is None else lag
 
 
 def prepare(args: argparse.Namespace, vllm_defaults: dict[str, Any], on_cpu: bool) -> None:
@@ -115,7 +132,8 @@ def prepare(args: argparse.Namespace, vllm_defaults: dict[str, Any], on_cpu: boo
     operator = OperatorConfig.for_server(args.kv_compression_config, args.model)  # fail now, not on a request
     if args.kv_transfer_config is None:
         args.kv_transfer_config = KVTransferConfig(**kv_transfer_config(
-            dict(operator.profiles) or None, long_prompts=args.allow_prompts_beyond_kv_cache))
+            dict(operator.profiles) or None, long_prompts=args.allow_prompts_beyond_kv_cache,
+            compression_lag=args.compression_lag))
     elif args.kv_transfer_config.kv_connector != CONNECTOR_NAME:
         raise ValueError(
             f"--kv-transfer-config: kv_connector is {args.kv_transfer_config.kv_connector!r}; "

@@ -1,0 +1,150 @@
+"""Compression off the step's critical path: decisions made on a side thread (and, on a GPU, a
+side CUDA stream) while the request keeps decoding over the pages it has.
+
+A decision only reads: the request's cells before its decision point (no step writes them: a
+step appends after them, and nothing else compacts the request while it is pending), frozen
+copies of its query window and observed attention, and a copy of its policy state. The switch
+(:meth:`~vllm_kvcomp.engine.worker.KVCompWorker.bind`) packs the kept cells plus every token
+since the decision at a step boundary, on the step's own thread and stream.
+
+``compression_lag`` (the connector's ``kv_connector_extra_config``) says when a request switches:
+``"auto"`` (the default on GPUs) at the first step that binds after its decision is made; an integer ``k > 0``
+at exactly the ``k``-th step after the launch, waiting for the decision if it is not made yet
+(reproducible: the same steps give the same answer, as the oracle's ``lag``); ``0`` (the default
+on vLLM's CPU backend, see :func:`parse_lag`) decides and packs inside the step. Tensor-parallel engines decide inside the step (a policy's
+collectives over the ranks cannot run on a side thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from vllm_kvcomp.policies.base import Compensation, RequestState
+
+AUTO = "auto"
+#: the side thread's scheduling priority on the host: about a tenth of a busy core next to the
+#: step's threads (measured, bench stall at 2K: nice 0 made steps 2-7x longer while a decision ran,
+#: 5 1.6-1.8x, 10 1.3-1.5x, each decision then packed after more tokens)
+NICENESS = 10
+
+
+def parse_lag(value: object, platform: str | None = None) -> int | None:
+    """``compression_lag`` from the connector's extra config: None for ``"auto"``, else steps >= 0.
+    Unset: auto on a GPU; 0 on the host (``platform`` "cpu"), where a side thread takes its cycles
+    from the step's own cores: there, off the step trades stalls for savings that come later."""
+    if value is None:
+        return 0 if platform == "cpu" else None
+    if value == AUTO:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"kv_connector_extra_config.compression_lag must be {AUTO!r} or an integer >= 0 "
+                         f"(steps; 0 compresses inside the step), got {value!r}")
+    return value
+
+
+def _yielding_thread() -> None:
+    """On the host, the side thread gives way to the step's: one OpenMP thread of its own (the
+    step's team keeps every core it was given; libgomp's setting is per thread) and the lowest
+    scheduling priority (Linux: per thread), so a decision takes the cycles steps leave idle."""
+    lib = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
+    if lib.exists():
+        ctypes.CDLL(str(lib)).omp_set_num_threads(1)
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICENESS)
+
+
+@dataclass
+class Decision:
+    """What a compression decided at ``end`` tokens, nothing written yet."""
+
+    end: int
+    decode: bool  # a decode recompression (else the prompt end, or a prefill chunk)
+    kept: list[list[torch.Tensor]]  # [layer][head]: kept indices of the head's sequence at ``end`` (host)
+    before: torch.Tensor  # [L, H] each head's length at ``end``
+    compensations: list[Compensation | None]  # per layer
+    policy_state: RequestState  # the policy's state after deciding
+    seconds: float = 0.0  # time it took to decide
+    ready: object | None = None  # a CUDA event the step's stream waits on before reading it
+
+    def at(self, now: int) -> list[list[torch.Tensor]]:
+        """The kept indices at ``now >= end`` tokens: every token appended since the decision too."""
+        extra = now - self.end
+        if extra == 0:
+            return self.kept
+        return [[torch.cat([idx, torch.arange(int(n), int(n) + extra)]) for idx, n in zip(layer, lengths)]
+                for layer, lengths in zip(self.kept, self.before)]
+
+
+@dataclass
+class Pending:
+    """A decision being made off the step for one request."""
+
+    future: Future
+    end: int
+    decode: bool
+    launched: float = field(default_factory=time.perf_counter)
+
+
+class CompressionOffload:
+    """One side thread making decisions in launch order (a side CUDA stream on a GPU)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._executor: ThreadPoolExecutor | None = None
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def launch(self, decide: Callable[[], Decision]) -> Future:
+        """Run ``decide`` off the step; on a GPU its stream first waits for what the step's
+        stream has written so far (the cells it reads), never the host."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcomp-compress",
+                                                initializer=None if self._stream is not None else _yielding_thread)
+        if self._stream is None:
+            return self._executor.submit(self._timed, decide)
+        written = torch.cuda.Event()
+        written.record(torch.cuda.current_stream(self.device))
+        return self._executor.submit(self._on_stream, decide, written)
+
+    @staticmethod
+    def _timed(decide: Callable[[], Decision]) -> Decision:
+        started = time.perf_counter()
+        with torch.inference_mode():  # as the step's thread runs (a mode is per thread)
+            decision = decide()
+        decision.seconds = time.perf_counter() - started
+        return decision
+
+    def _on_stream(self, decide: Callable[[], Decision], written: torch.cuda.Event) -> Decision:
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(written)
+            decision = self._timed(decide)
+            decision.ready = torch.cuda.Event()
+            decision.ready.record(self._stream)
+        return decision
+
+    @staticmethod
+    def adopt(decision: Decision, device: torch.device) -> None:
+        """The step's stream waits (on the device) for the decision's work before reading it, and
+        the allocator keeps what the decision made for it until the step's stream is done with it."""
+        if decision.ready is None:
+            return
+        stream = torch.cuda.current_stream(device)
+        stream.wait_event(decision.ready)
+        for comp in decision.compensations:
+            for tensor in () if comp is None else (comp.keys, comp.values, comp.counts):
+                tensor.record_stream(stream)
+
+    def close(self, wait: bool = False) -> None:
+        """Cancel the decisions not started; ``wait`` for the one running."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=wait, cancel_futures=True)
+            self._executor = None
