@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from vllm_kvcomp.bench.common import spec_xargs
-from vllm_kvcomp.bench.stall import Stalls, Step, _report
+from vllm_kvcomp.bench.stall import Gaps, Stalls, Step, _report, _server_report
 from vllm_kvcomp.spec import CompressionSpec
 
 
@@ -35,3 +35,12 @@ def test_the_table_gives_each_configs_heaviest_and_longest_step_against_its_medi
         "| h2o, lag auto | 2048 | 20.0 | 8 (prompt end, in flight) | **0.40x** | **1.80x** | 3 | 2-9 | 1.20x |"
     assert lines["full"] == "| full | 2048 | 25.0 | - | - | - | 0 | - | 1.20x |"
     assert "razor at 0.3 (refuses 0.25)" in table and "compression_lag 0, auto" in table
+
+
+def test_through_the_server_the_table_gives_the_streams_longest_gap_against_their_median():
+    args = argparse.Namespace(model=None, chunk=2048, streams=4, ratio=0.25, decode_tokens=160)
+    table = _server_report(args, [Gaps("full", 6000, 0.030, 0.036, 0), Gaps("h2o, lag auto", 6000, 0.032, 0.048, 2)])
+    lines = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
+    assert lines["h2o, lag auto"] == "| h2o, lag auto | 6000 | 32.0 | **1.50x** | 2 |"
+    assert lines["full"] == "| full | 6000 | 30.0 | **1.20x** | 0 |"
+    assert "through `vllm-kvcomp serve`" in table and "decodes 160 tokens" in table

@@ -28,6 +28,9 @@ prefill too), how many tokens each decision waited to be packed, and the longest
 from __future__ import annotations
 
 import argparse
+import asyncio
+import itertools
+import json
 import os
 import random
 import statistics
@@ -51,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--streams", type=int, default=4, help="uncompressed requests decoding meanwhile")
     parser.add_argument("--decode-tokens", type=int, default=96, help="output tokens of the arriving request")
     parser.add_argument("--chunk", type=int, default=2048, help="tokens per engine step (the prefill chunk)")
+    parser.add_argument("--server", action="store_true",
+                        help="through `vllm-kvcomp serve` (one server per --compression-lag) instead of "
+                             "in-process: the streams' longest inter-token gap while the request decodes, "
+                             "against their median")
     parser.add_argument("--compression-lag", default="0,auto",
                         help="comma list of the engine's compression_lag values to run each config at, side by "
                              "side: 0 (inside the step), auto (decided off the step, packed when ready), k steps")
@@ -97,7 +104,20 @@ class CompressionClock:
         self.lags.append(event.switched - event.num_tokens)
 
 
+@dataclass
+class Gaps:
+    """Through the server: the streams' inter-token gaps while the arriving request decoded."""
+
+    label: str
+    length: int
+    median: float  # the streams' median gap in that window
+    longest: float  # their longest gap in it
+    compressions: int  # the arriving request's (its usage)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.server:
+        return _run_server(args)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker runs here: its compressions are timed
     from vllm import LLM
 
@@ -176,6 +196,86 @@ def _measure(engine, worker, clock: CompressionClock, args: argparse.Namespace, 
     return Stalls(label, n, statistics.median(plain or [s.seconds for s in steps]), max(loaded, key=lambda s: s.seconds, default=None),
                   max(loaded, key=lambda s: s.compression, default=None), max(plain, default=0.0), clock.packed,
                   clock.lags)
+
+
+def _run_server(args: argparse.Namespace) -> int:
+    """One ``vllm-kvcomp serve`` per ``--compression-lag``; in each, every config at every length."""
+    import tempfile
+    from pathlib import Path
+
+    from vllm_kvcomp.bench.serving import feasible_ratios, header_for, served
+    from vllm_kvcomp.models import resolve_model, served_name
+
+    lengths = [int(n) for n in args.lengths.split(",") if n.strip()]
+    labels = ["full", *(p.strip() for p in args.policies.split(",") if p.strip() and p.strip() != "full")]
+    floors = feasible_ratios(resolve_model(args.model), [label.partition(":")[0] for label in labels], [args.ratio])
+    rows, lags = [], [value.strip() for value in args.compression_lag.split(",") if value.strip()]
+    blocks = (args.streams + 2) * (-(-(max(lengths) + args.decode_tokens + 64) // 32) + 1)
+    for lag in lags:
+        log = Path(tempfile.gettempdir()) / f"kvcomp-stall-server-{lag}.log"
+        with served(args.model, blocks, args.streams + 2, max(lengths) + args.decode_tokens + 64, log,
+                    ["--compression-lag", lag], chunk=args.chunk) as url:
+            for n in lengths:
+                for label in labels if lag == lags[0] else labels[1:]:
+                    policy, _, settings = label.partition(":")
+                    header = header_for(policy, floors.get(policy, [args.ratio])[0], settings.replace(",", ";"))
+                    shown = label if label == "full" or len(lags) == 1 else f"{label}, lag {lag}"
+                    rows.append(asyncio.run(_gaps(url, served_name(args.model), args, shown, n, header)))
+                    print(f"{shown:32s} {n:6d}: streams' longest gap {rows[-1].longest / rows[-1].median:.2f}x "
+                          f"their median ({1e3 * rows[-1].median:.1f} ms)", flush=True)
+    body = _server_report(args, rows)
+    print(body)
+    write_report(args.out, args.command, body)
+    return 0
+
+
+def _server_report(args: argparse.Namespace, rows: list[Gaps]) -> str:
+    lines = [f"{model_line(args.model)}, through `vllm-kvcomp serve` (one server per compression_lag), "
+             f"block size 32, {args.chunk}-token steps; {args.streams} uncompressed streams ({STREAM_PROMPT}-token "
+             f"prompts) decode while a request of N tokens at ratio {args.ratio:g} arrives and decodes "
+             f"{args.decode_tokens} tokens. Gaps between the streams' tokens from its first token to its last. "
+             "Target: the longest <= 1.5x the median.", "",
+             "| config | N | streams' median gap ms | longest gap vs median (target <= 1.5) | compressions |",
+             "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r.label} | {r.length} | {1e3 * r.median:.1f} | **{r.longest / r.median:.2f}x** | {r.compressions} |"
+              for r in rows]
+    return "\n".join(lines)
+
+
+async def _gaps(url: str, model: str, args: argparse.Namespace, label: str, n: int, header: str | None) -> Gaps:
+    import httpx
+
+    from vllm_kvcomp.bench.serving import prompts, stream_completion
+
+    async with httpx.AsyncClient(timeout=None) as client:
+        times: list[list[float]] = [[] for _ in range(args.streams)]
+        longest = max(int(x) for x in args.lengths.split(",") if x.strip()) + args.decode_tokens + 64  # max_model_len
+        streams = [asyncio.create_task(_token_times(client, url, model, prompt, arrived, longest - STREAM_PROMPT))
+                   for prompt, arrived in zip(prompts(args.streams, STREAM_PROMPT, n), times)]
+        while not all(len(arrived) > 8 for arrived in times):  # every stream decoding
+            for task in streams:
+                if task.done():
+                    task.result()  # raises what stopped it
+            await asyncio.sleep(0.1)
+        arriving = await stream_completion(client, url, model, prompts(1, n, n + 1)[0], args.decode_tokens, header)
+        for task in streams:
+            task.cancel()  # closes its connection: the server aborts it
+        await asyncio.gather(*streams, return_exceptions=True)
+    gaps = [b - a for arrived in times for a, b in itertools.pairwise(arrived) if arriving.first <= a and b <= arriving.last]
+    usage = (arriving.usage or {}).get("kv_compression") or {}
+    return Gaps(label, n, statistics.median(gaps), max(gaps), int(usage.get("compressions", 0)))
+
+
+async def _token_times(client, url: str, model: str, prompt: list[int], arrived: list[float], tokens: int) -> None:
+    """Stream an uncompressed completion until cancelled, appending each token's arrival time."""
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0, "stream": True,
+            "ignore_eos": True}
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}")
+        async for line in response.aiter_lines():
+            if line.startswith("data: {") and any(c.get("text") for c in json.loads(line[6:]).get("choices", ())):
+                arrived.append(time.perf_counter())
 
 
 def _kinds(step: Step) -> str:
