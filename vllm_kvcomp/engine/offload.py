@@ -58,6 +58,9 @@ def _yielding_thread() -> None:
     scheduling priority (Linux: per thread), so a decision takes the cycles steps leave idle."""
     lib = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
     if lib.exists():
+        # torch sets a new thread's OpenMP threads to the process's torch.set_num_threads at its
+        # first parallel call (vLLM's CPU worker sets it): that first, then this thread's own
+        torch.get_num_threads()
         ctypes.CDLL(str(lib)).omp_set_num_threads(1)
     with contextlib.suppress(OSError, AttributeError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICENESS)

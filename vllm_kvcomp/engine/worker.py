@@ -72,6 +72,15 @@ def allocation_failure(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
 
 
+def failure_kind(err: BaseException) -> str | None:
+    """How a compression that raised ``err`` before its first write fails without harm: "error"
+    (a ``ValueError``: a bug, not bad input), "memory" (:func:`allocation_failure`); None: any
+    other error is a bug that propagates."""
+    if isinstance(err, ValueError):
+        return "error"
+    return "memory" if allocation_failure(err) else None
+
+
 @dataclass
 class CompactionPlan:
     """A compression decided and planned, nothing written yet (:meth:`KVCompWorker._plan_compaction`)."""
@@ -509,13 +518,10 @@ class KVCompWorker:
         try:
             decision = self._decide(state, torch.tensor(sched.block_ids, dtype=torch.long), end, decode,
                                     copy.deepcopy(state.policy_state) if keep else state.policy_state)
-        except ValueError as err:  # a bug, not bad input: nothing was moved yet, keep serving
-            self._compression_failed(rid, state, err, "error")
-            return
-        except (RuntimeError, MemoryError) as err:
-            if not allocation_failure(err):
+        except (ValueError, RuntimeError, MemoryError) as err:  # nothing was moved yet: keep serving
+            if (kind := failure_kind(err)) is None:
                 raise
-            self._compression_failed(rid, state, err, "memory")
+            self._compression_failed(rid, state, err, kind)
             return
         self._switch(rid, state, sched, decision, end, started)
 
@@ -545,9 +551,9 @@ class KVCompWorker:
         try:
             decision = pending.future.result()
         except (ValueError, RuntimeError, MemoryError) as err:  # the decision's: nothing was written
-            if not isinstance(err, ValueError) and not allocation_failure(err):
+            if (kind := failure_kind(err)) is None:
                 raise
-            self._compression_failed(rid, state, err, "error" if isinstance(err, ValueError) else "memory")
+            self._compression_failed(rid, state, err, kind)
             return
         self.offload.adopt(decision, self.cache.device)
         self._switch(rid, state, sched, decision, sched.num_computed, started)
@@ -580,13 +586,10 @@ class KVCompWorker:
                 return
             if plan.move is not None:
                 self.cache.move(plan.move)  # its temporaries are allocated before its first write
-        except ValueError as err:  # a bug, not bad input: nothing was moved yet, keep serving
-            self._compression_failed(rid, state, err, "error")
-            return
-        except (RuntimeError, MemoryError) as err:
-            if not allocation_failure(err):
+        except (ValueError, RuntimeError, MemoryError) as err:  # nothing was moved yet: keep serving
+            if (kind := failure_kind(err)) is None:
                 raise
-            self._compression_failed(rid, state, err, "memory")
+            self._compression_failed(rid, state, err, kind)
             return
         state.decided = None
         if plan.pages is not None:
