@@ -414,7 +414,7 @@ def test_h2o_decode_recompressions_read_observed_attention(make, monkeypatch, pa
     assert_clean(h)
     if h.worker.offload is not None:  # a decision launched late may still run (or never start)
         h.worker.offload.close(wait=True)
-    assert decided.count(True) >= 2 and decodes[0] is False
+    assert decodes.count(True) >= 2 and decided.count(True) >= 1 and decodes[0] is False  # the last may be dropped
     decode_reads = reads.count(True)
     layers = h.worker.num_layers
     assert decode_reads == 0 and observed[:layers] == [False] * layers

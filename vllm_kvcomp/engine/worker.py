@@ -164,6 +164,8 @@ class KVCompWorker:
         self.variants = [variants[name] for name in order]
         self.staging = HostStaging(self.cache.device)
         self.configure_offload(self.lag)
+        logger.info("vllm-kvcomp: compressions are decided %s", "inside the step" if self.offload is None else
+                    "off the step and packed " + ("when ready" if self.lag is None else f"{self.lag} steps later"))
         self.tables = StepTables(self.num_layers, self.cache.device)
         if isinstance(out_proj, dict):  # views of the model's weights, no copy
             self.out_proj, self.no_out_proj = [out_proj_heads(out_proj[n], self.cache.head_dim) for n in order], None
