@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -86,16 +86,6 @@ class Decision:
             return self.kept
         return [[torch.cat([idx, torch.arange(int(n), int(n) + extra)]) for idx, n in zip(layer, lengths)]
                 for layer, lengths in zip(self.kept, self.before)]
-
-
-@dataclass
-class Pending:
-    """A decision being made off the step for one request."""
-
-    future: Future
-    end: int
-    decode: bool
-    launched: float = field(default_factory=time.perf_counter)
 
 
 class CompressionOffload:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
 from vllm_kvcomp.engine.lifecycle import Lifecycle, Phase
-from vllm_kvcomp.engine.offload import Decision, Pending
+from vllm_kvcomp.engine.offload import Decision
 from vllm_kvcomp.engine.pages import RequestPages
 from vllm_kvcomp.policies.base import Compensation, Policy, RequestState
 from vllm_kvcomp.spec import CompressionSpec
@@ -192,7 +193,7 @@ class CompressedRequest:
     longest_base: int = 0
     #: its compression being decided off the step (COMPRESSING), or one decided and waiting for
     #: copy-on-compress spares (:mod:`~vllm_kvcomp.engine.offload`)
-    pending: Pending | None = None
+    pending: Future | None = None  # of a Decision
     decided: Decision | None = None
 
     @property

@@ -44,7 +44,7 @@ from vllm_kvcomp.engine.metadata import (
     StepMetadata,
     WorkerReport,
 )
-from vllm_kvcomp.engine.offload import CompressionOffload, Decision, Pending
+from vllm_kvcomp.engine.offload import CompressionOffload, Decision
 from vllm_kvcomp.engine.pages import Move, RequestPages
 from vllm_kvcomp.engine.staging import HostStaging
 from vllm_kvcomp.engine.state import CompressedRequest, ObservedAttention, QueryWindow
@@ -205,7 +205,7 @@ class KVCompWorker:
         for rid in meta.dropped:
             state = self.requests.pop(rid, None)
             if state is not None and state.pending is not None:  # never wrote to the cache
-                state.pending.future.cancel()
+                state.pending.cancel()
         self.step = {r.req_id: r for r in meta.requests}
         self._plan = None
         self.trimmed = []
@@ -534,8 +534,7 @@ class KVCompWorker:
             state, pages=copy.copy(state.pages), window=state.window.frozen(),
             policy_state=copy.deepcopy(state.policy_state),
             observed=None if state.observed is None else state.observed.frozen())
-        future = self.offload.launch(lambda: self._decide(frozen, block_ids, end, decode, frozen.policy_state))
-        state.pending = Pending(future, end, decode)
+        state.pending = self.offload.launch(lambda: self._decide(frozen, block_ids, end, decode, frozen.policy_state))
         state.lifecycle.launched()
 
     @property
@@ -547,11 +546,11 @@ class KVCompWorker:
         """bind while COMPRESSING: pack the decision if it is made (or, at a fixed lag's last
         step, once it is), at the tokens the cache holds now."""
         waited, pending = state.lifecycle.waited(), state.pending
-        if not pending.future.done() if self.lag is None else waited < self.lag:
+        if not pending.done() if self.lag is None else waited < self.lag:
             return
         started, state.pending = time.perf_counter(), None
         try:
-            decision = pending.future.result()
+            decision = pending.result()
         except (ValueError, RuntimeError, MemoryError) as err:  # the decision's: nothing was written
             if (kind := failure_kind(err)) is None:
                 raise
