@@ -19,13 +19,14 @@ def _decision(end: int = 10, kept=None, before=None, compensations=None) -> Deci
     return Decision(end, False, kept, before, compensations or [None] * len(kept), RequestState())
 
 
-def test_a_decision_packed_later_keeps_every_token_decoded_since():
-    decision = _decision(end=10, kept=[[torch.tensor([0, 4, 9]), torch.tensor([1, 2])]],
-                         before=torch.tensor([[10, 6]]))  # a head of 6 cells (packed earlier)
-    assert decision.at(10) is decision.kept
-    later = decision.at(13)
-    assert later[0][0].tolist() == [0, 4, 9, 10, 11, 12]
-    assert later[0][1].tolist() == [1, 2, 6, 7, 8]  # the head's own next cells
+def test_a_decision_compacts_when_a_head_keeps_less_or_it_made_a_token():
+    kept = [[torch.tensor([0, 4, 9]), torch.arange(6)]]
+    decision = _decision(end=10, kept=kept, before=torch.tensor([[10, 6]]))
+    assert decision.counts().tolist() == [[3, 6]] and decision.compacts
+    whole = _decision(end=10, kept=[[torch.arange(10), torch.arange(6)]], before=torch.tensor([[10, 6]]))
+    assert not whole.compacts
+    token = Compensation(torch.zeros(2, 4), torch.zeros(2, 4), torch.ones(2))
+    assert _decision(end=10, kept=whole.kept, before=whole.before, compensations=[token]).compacts
 
 
 def test_the_side_thread_yields_to_the_steps_threads():

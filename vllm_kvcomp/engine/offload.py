@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_kvcomp.engine.pages import Move, RequestPages
 from vllm_kvcomp.policies.base import Compensation, RequestState
 
 AUTO = "auto"
@@ -78,14 +79,17 @@ class Decision:
     policy_state: RequestState  # the policy's state after deciding
     seconds: float = 0.0  # time it took to decide
     ready: object | None = None  # a CUDA event the step's stream waits on before reading it
+    #: planned off the step: (the spares it writes, the moves, the pages after them)
+    packing: tuple[tuple[int, ...], Move | None, RequestPages | None] | None = None
 
-    def at(self, now: int) -> list[list[torch.Tensor]]:
-        """The kept indices at ``now >= end`` tokens: every token appended since the decision too."""
-        extra = now - self.end
-        if extra == 0:
-            return self.kept
-        return [[torch.cat([idx, torch.arange(int(n), int(n) + extra)]) for idx, n in zip(layer, lengths)]
-                for layer, lengths in zip(self.kept, self.before)]
+    @property
+    def compacts(self) -> bool:
+        """Whether packing it moves anything: some head keeps fewer cells, or it made a token."""
+        return bool((self.counts() < self.before).any()) or any(c is not None for c in self.compensations)
+
+    def counts(self) -> torch.Tensor:
+        """[L, H] cells each head keeps at the decision point."""
+        return torch.tensor([[len(idx) for idx in layer] for layer in self.kept])
 
 
 class CompressionOffload:

@@ -511,7 +511,7 @@ class KVCompWorker:
         state.live = None  # the heads' lengths change
         state.window.truncate(end)  # queries of rolled-back draft tokens (a no-op otherwise)
         if self.offload is not None and state.lifecycle.phase in (Phase.PROMPT_END, Phase.DECODE):
-            self._launch(rid, state, end, decode, torch.tensor(sched.block_ids, dtype=torch.long))
+            self._launch(rid, state, copy.copy(sched), end, decode, torch.tensor(sched.block_ids, dtype=torch.long))
             return
         started = time.perf_counter()
         # decided into a copy where a failure or a postponement reads the state again (before
@@ -527,15 +527,27 @@ class KVCompWorker:
             return
         self._switch(rid, state, sched, decision, end, started)
 
-    def _launch(self, rid: str, state: CompressedRequest, end: int, decode: bool, block_ids: torch.Tensor) -> None:
+    def _launch(self, rid: str, state: CompressedRequest, sched: ScheduledRequest, end: int, decode: bool,
+                block_ids: torch.Tensor) -> None:
         """Decide off the step over frozen copies of what the step goes on changing (the query
         window, the observed attention, the policy state); the request decodes meanwhile."""
         frozen = dataclasses.replace(  # the pages' own copy: their cached tables are rebuilt by the step
             state, pages=copy.copy(state.pages), window=state.window.frozen(),
             policy_state=copy.deepcopy(state.policy_state),
             observed=None if state.observed is None else state.observed.frozen())
-        state.pending = self.offload.launch(lambda: self._decide(frozen, block_ids, end, decode, frozen.policy_state))
+        state.pending = self.offload.launch(lambda: self._decide_and_pack(frozen, sched, block_ids, end, decode))
         state.lifecycle.launched()
+
+    def _decide_and_pack(self, frozen: CompressedRequest, sched: ScheduledRequest, block_ids: torch.Tensor,
+                         end: int, decode: bool) -> Decision:
+        """Off the step: the decision, and its packing planned where the spares it was sent suffice
+        (the switch then only moves the cells)."""
+        decision = self._decide(frozen, block_ids, end, decode, frozen.policy_state)
+        mine = self._spares_needed(frozen, decision) if self._copies(frozen, sched) else 0
+        if mine <= len(sched.spares):  # as _plan_compaction picks them (one rank: no collective)
+            destination = sched.spares[len(sched.spares) - mine :] if mine else []
+            decision.packing = (tuple(destination), *self._pack(frozen, block_ids, decision, destination))
+        return decision
 
     @property
     def in_flight(self) -> int:
@@ -617,32 +629,47 @@ class KVCompWorker:
 
     def _plan_compaction(self, rid: str, state: CompressedRequest, sched: ScheduledRequest, decision: Decision,
                          now: int) -> CompactionPlan | None:
-        """What :meth:`_switch` writes: the moves and the new pages of ``decision`` at ``now``
-        tokens, the event, the longest head over every rank; None when copy-on-compress must
-        wait for more spares (the scheduler is told). Writes nothing to the cache."""
-        block_ids = torch.tensor(sched.block_ids, dtype=torch.long)
-        kept, before = decision.at(now), decision.before + (now - decision.end)
-        after = torch.tensor([[len(idx) for idx in layer] for layer in kept])
-        compacts = bool((after < before).any()) or any(c is not None for c in decision.compensations)
-        destination, columns = None, {}
+        """What :meth:`_switch` writes at ``now`` tokens: the moves and the new pages of
+        ``decision`` (its kept cells packed as at its decision point; every token since stays in
+        place as the tail), the event, the longest head over every rank; None when
+        copy-on-compress must wait for more spares (the scheduler is told). Writes nothing to
+        the cache; reuses the packing planned off the step when it planned the same one."""
+        destination, columns = [], {}
         if self._copies(state, sched):
-            mine = state.pages.blocks_needed(kept, now) if compacts else 0
+            mine = self._spares_needed(state, decision)
             needed = int(self.ranks.reduce(mine, max))  # every rank postpones, or none
             if needed > len(sched.spares):
                 state.lifecycle.await_spares(needed)
                 self._report.spares_needed[rid] = needed
                 return None
             destination = sched.spares[len(sched.spares) - mine :]  # last spare = last column
-            growth = now // self.block_size
-            columns = {growth - mine + i: block for i, block in enumerate(destination)}
-            self._report.copied[rid] = columns
-        move, pages = state.pages.compact(kept, block_ids, now, destination) if compacts else (None, None)
+            growth = decision.end // self.block_size
+            columns = self._report.copied[rid] = {growth - mine + i: block for i, block in enumerate(destination)}
+        planned = decision.packing
+        move, pages = planned[1:] if planned is not None and planned[0] == tuple(destination) else \
+            self._pack(state, torch.tensor(sched.block_ids, dtype=torch.long), decision, destination)
         longest = int(self.ranks.reduce(int((pages or state.pages).lengths(0).max()), max))  # over every rank
+        since = now - decision.end
+        before, after = decision.before + since, decision.counts() + since
         event = CompressionEvent(
             req_id=rid, policy=state.spec.policy, tokens_before=int(before.max()), tokens_after=int(after.max()),
             tokens_evicted=int((before - after).sum()), tokens_total=int(before.sum()), num_heads=before.numel(),
             num_tokens=now, seconds=0.0, decode=decision.decode)
         return CompactionPlan(move, pages, columns, longest, event)
+
+    def _spares_needed(self, state: CompressedRequest, decision: Decision) -> int:
+        """Blocks a copy-on-compress packing of ``decision`` writes (0: it keeps everything)."""
+        return state.pages.blocks_needed(decision.kept, decision.end) if decision.compacts else 0
+
+
+    @staticmethod
+    def _pack(state: CompressedRequest, block_ids: torch.Tensor, decision: Decision,
+              destination: list[int]) -> tuple[Move | None, RequestPages | None]:
+        """The moves and pages of ``decision`` packed at its decision point (none: it keeps
+        everything and makes no token); reads the pages, writes nothing."""
+        if not decision.compacts:
+            return None, None
+        return state.pages.compact(decision.kept, block_ids, decision.end, destination or None)
 
     def take_report(self) -> WorkerReport | None:
         report, self._report = self._report, WorkerReport(unavailable=self.unavailable)
