@@ -161,23 +161,17 @@ ABORT_POINTS = {
     "waiting": lambda h: True,
     "mid-prefill": _prefill_started,
     "compression-pending": _compression_pending,
-    "compressing": _compressing,
     "compressed": lambda h: h.compressed("t"),
     "mid-decode": lambda h: h.compressed("t") and len(h.outputs["t"]) >= 4,
 }
 
 
-@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-cache", "prefix-cache"])
-@pytest.mark.parametrize("point", list(ABORT_POINTS))
-def test_abort_at_every_state(make, point, prefix_caching):
-    """A compressed request aborted at each point of its life, next to a plain one (chunked
-    prefill of 128 tokens): everything comes back, the neighbour finishes untouched."""
-    h = make(max_num_batched_tokens=128, prefix_caching=prefix_caching)
-    if point == "compressing" and not h.worker.lag:
-        pytest.skip("compressions are decided inside the step here (lag 0): no such state")
+def _abort_when(h: StepHarness, point: str, condition) -> None:
+    """A compressed request aborted once ``condition`` holds, next to a plain one (chunked prefill
+    of 128 tokens): everything comes back, the neighbour finishes untouched."""
     target = h.add("t", ids(PROMPT, 4), "snapkv", max_tokens=32, ratio=0.25, window=16)
     h.add("n", ids(200, 5), max_tokens=16)
-    h.step_until(ABORT_POINTS[point])
+    h.step_until(condition)
     if point == "waiting":
         assert target.num_computed_tokens == 0
     h.abort("t")
@@ -185,6 +179,19 @@ def test_abort_at_every_state(make, point, prefix_caching):
     h.run_until_idle()
     assert len(h.outputs["n"]) == 16
     assert_clean(h)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-cache", "prefix-cache"])
+@pytest.mark.parametrize("point", list(ABORT_POINTS))
+def test_abort_at_every_state(make, point, prefix_caching):
+    _abort_when(make(max_num_batched_tokens=128, prefix_caching=prefix_caching), point, ABORT_POINTS[point])
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-cache", "prefix-cache"])
+@pytest.mark.parametrize("mode", [m for m in MODES if "-lag" in m])
+def test_abort_while_its_compression_is_decided_off_the_step(make, mode, prefix_caching):
+    """COMPRESSING (a lag > 0 only): aborted while its decision is made, after two tokens."""
+    _abort_when(make(max_num_batched_tokens=128, prefix_caching=prefix_caching), "compressing", _compressing)
 
 
 def test_waiting_request_aborted_behind_a_full_pool(make):

@@ -150,13 +150,14 @@ def prompts(count: int, length: int, seed: int, vocab: int = 48000) -> list[list
 
 async def stream_completion(client, url: str, model: str, prompt: list[int], max_tokens: int,
                             header: str | None, return_token_ids: bool = False,
-                            on_first: Callable[[], None] | None = None) -> Stream:
-    """One streamed completion (``on_first`` called at its first token); raises on HTTP errors
-    (a benchmark must not hide one)."""
+                            on_first: Callable[[], None] | None = None, into: Stream | None = None) -> Stream:
+    """One streamed completion (``on_first`` called at its first token), recorded ``into`` a
+    caller's :class:`Stream` if given (what arrived survives a cancel); raises on HTTP errors (a
+    benchmark must not hide one)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}, "return_token_ids": return_token_ids}
     headers = {HEADER: header} if header else {}
-    stream = Stream(sent=time.perf_counter())
+    stream = into if into is not None else Stream(sent=time.perf_counter())
     async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}")

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
 import random
 import statistics
@@ -245,14 +244,15 @@ def _server_report(args: argparse.Namespace, rows: list[Gaps]) -> str:
 async def _gaps(url: str, model: str, args: argparse.Namespace, label: str, n: int, header: str | None) -> Gaps:
     import httpx
 
-    from vllm_kvcomp.bench.serving import prompts, stream_completion
+    from vllm_kvcomp.bench.serving import Stream, prompts, stream_completion
 
     async with httpx.AsyncClient(timeout=None) as client:
-        times: list[list[float]] = [[] for _ in range(args.streams)]
         longest = max(int(x) for x in args.lengths.split(",") if x.strip()) + args.decode_tokens + 64  # max_model_len
-        streams = [asyncio.create_task(_token_times(client, url, model, prompt, arrived, longest - STREAM_PROMPT))
-                   for prompt, arrived in zip(prompts(args.streams, STREAM_PROMPT, n), times)]
-        while not all(len(arrived) > 8 for arrived in times):  # every stream decoding
+        records = [Stream(sent=time.perf_counter()) for _ in range(args.streams)]
+        streams = [asyncio.create_task(stream_completion(client, url, model, prompt, longest - STREAM_PROMPT, None,
+                                                         into=record))
+                   for prompt, record in zip(prompts(args.streams, STREAM_PROMPT, n), records)]
+        while not all(len(record.token_times) > 8 for record in records):  # every stream decoding
             for task in streams:
                 if task.done():
                     task.result()  # raises what stopped it
@@ -261,21 +261,10 @@ async def _gaps(url: str, model: str, args: argparse.Namespace, label: str, n: i
         for task in streams:
             task.cancel()  # closes its connection: the server aborts it
         await asyncio.gather(*streams, return_exceptions=True)
-    gaps = [b - a for arrived in times for a, b in itertools.pairwise(arrived) if arriving.first <= a and b <= arriving.last]
+    gaps = [b - a for record in records for a, b in itertools.pairwise(record.token_times)
+            if arriving.first <= a and b <= arriving.last]
     usage = (arriving.usage or {}).get("kv_compression") or {}
     return Gaps(label, n, statistics.median(gaps), max(gaps), int(usage.get("compressions", 0)))
-
-
-async def _token_times(client, url: str, model: str, prompt: list[int], arrived: list[float], tokens: int) -> None:
-    """Stream an uncompressed completion until cancelled, appending each token's arrival time."""
-    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0, "stream": True,
-            "ignore_eos": True}
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}")
-        async for line in response.aiter_lines():
-            if line.startswith("data: {") and any(c.get("text") for c in json.loads(line[6:]).get("choices", ())):
-                arrived.append(time.perf_counter())
 
 
 def _kinds(step: Step) -> str:

@@ -433,8 +433,8 @@ class KVCompWorker:
         if policy.due(state.policy_state, live, state.lifecycle.steps_since):
             self._compress(rid, state, sched, end, decode=True)
 
-    def _layer_inputs(self, state: CompressedRequest, block_ids: torch.Tensor, end: int,
-                      decode: bool) -> list[LayerKV]:
+    def _layer_inputs(self, state: CompressedRequest, block_ids: torch.Tensor, end: int, decode: bool,
+                      policy_state: RequestState) -> list[LayerKV]:
         """Every layer's live K/V, right-aligned per head as policies expect: K/V and queries on
         the cache's device (policies score there and select on the host; reading a 32K-token
         request of an 8B model back to the host cost 2.8 s on an H100, docs/results/gpu_decide.md),
@@ -447,7 +447,7 @@ class KVCompWorker:
         if observed is not None:  # its rows as long as the heads (as they are after any observed step)
             observed.reserve(lengths, self.cache.device)
         every = observed is not None and observed.through == end - 1
-        reads = state.policy.reads_cache(state.policy_state) and not every
+        reads = state.policy.reads_cache(policy_state) and not every
         if reads:  # a head's virtual sequence is its table's pages in order: read whole pages, one gather
             # (a cell-by-cell gather of heads of unequal lengths cost ~3x as much per cell)
             full_k, full_v = self.cache.read_pages(tables.to(self.cache.device), state.policy.READS_VALUES)  # [L, H, W·bs, D]
@@ -545,7 +545,7 @@ class KVCompWorker:
         decision = self._decide(frozen, block_ids, end, decode, frozen.policy_state)
         mine = self._spares_needed(frozen, decision) if self._copies(frozen, sched) else 0
         if mine <= len(sched.spares):  # as _plan_compaction picks them (one rank: no collective)
-            destination = sched.spares[len(sched.spares) - mine :] if mine else []
+            destination = self._last_spares(sched, mine)
             decision.packing = (tuple(destination), *self._pack(frozen, block_ids, decision, destination))
         return decision
 
@@ -577,7 +577,7 @@ class KVCompWorker:
         cache, writes nothing (safe off the step: see :mod:`~vllm_kvcomp.engine.offload`)."""
         if not decode:
             state.policy.start_prefill_compression(policy_state)  # prefill=block: decides afresh
-        inputs = self._layer_inputs(dataclasses.replace(state, policy_state=policy_state), block_ids, end, decode)
+        inputs = self._layer_inputs(state, block_ids, end, decode, policy_state)
         policy_state.page_quantum = (self.block_size, end % self.block_size)
         selections = [sel.cpu() for sel in state.policy.decide(inputs, policy_state)]
         before = torch.stack([kv.valid_lengths() for kv in inputs])  # [L, H]
@@ -616,7 +616,6 @@ class KVCompWorker:
         state.policy_state = decision.policy_state
         state.lifecycle.compressed()
         state.longest_base = plan.longest_base
-        state.live = None
         if state.observed is not None:  # the policy holds what was observed, by position
             state.observed.restart(now)
         state.policy_state.compressions += 1
@@ -642,7 +641,7 @@ class KVCompWorker:
                 state.lifecycle.await_spares(needed)
                 self._report.spares_needed[rid] = needed
                 return None
-            destination = sched.spares[len(sched.spares) - mine :]  # last spare = last column
+            destination = self._last_spares(sched, mine)
             growth = decision.end // self.block_size
             columns = self._report.copied[rid] = {growth - mine + i: block for i, block in enumerate(destination)}
         planned = decision.packing
@@ -661,6 +660,10 @@ class KVCompWorker:
         """Blocks a copy-on-compress packing of ``decision`` writes (0: it keeps everything)."""
         return state.pages.blocks_needed(decision.kept, decision.end) if decision.compacts else 0
 
+    @staticmethod
+    def _last_spares(sched: ScheduledRequest, count: int) -> list[int]:
+        """The spares a packing into ``count`` blocks writes: the last ones (last spare = last column)."""
+        return sched.spares[len(sched.spares) - count :]
 
     @staticmethod
     def _pack(state: CompressedRequest, block_ids: torch.Tensor, decision: Decision,
