@@ -8,6 +8,7 @@ import torch
 from tests.policies.conftest import compressions, make_policy
 from vllm_kvcomp.policies import base
 from vllm_kvcomp.policies.base import (
+    Deferred,
     LayerKV,
     RequestState,
     Selection,
@@ -16,6 +17,8 @@ from vllm_kvcomp.policies.base import (
     page_count,
     protected_topk,
     round_to_pages,
+    window_attention,
+    window_attention_mass,
     window_logits,
 )
 from vllm_kvcomp.policies.streamingllm import StreamingLLM
@@ -385,3 +388,34 @@ def test_window_logits_hide_exactly_the_padding_and_the_future(seed, shuffled):
                 else:
                     want = 0.3 * float(kv.queries[q, i] @ kv.keys[q // group, s])
                     assert float(got[q, i, s]) == pytest.approx(want, rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.parametrize("w", [base.WINDOW_ROWS, 2 * base.WINDOW_ROWS + 5])
+def test_window_attention_mass_sums_the_window_a_run_of_rows_at_a_time(w, monkeypatch):
+    """The window's attention summed over its queries equals the sum of the whole [H_q, w, N]
+    attention, while no call attends more than WINDOW_ROWS queries (the bound of engine/memory.py);
+    the causal mask follows each run's own query positions."""
+    gen = torch.Generator().manual_seed(2)
+    hk, group, n, dim = 2, 3, 300, 8
+    kv = LayerKV(torch.randn(hk, n, dim, generator=gen), None, queries=torch.randn(hk * group, w, dim, generator=gen),
+                 query_positions=torch.arange(n - w // 2 - 1, n + w - w // 2 - 1))  # the later queries see more
+    want = window_attention(kv).sum(dim=1)
+    widest = []
+    logits = base.window_logits
+    monkeypatch.setattr(base, "window_logits", lambda part: widest.append(part.queries.shape[1]) or logits(part))
+    torch.testing.assert_close(window_attention_mass(kv), want)
+    assert max(widest) == base.WINDOW_ROWS and sum(widest) == w
+
+
+def test_deferred_keys_are_read_when_wanted_and_their_shape_is_known_before():
+    """A layer given as Deferred keys: its shape (heads, slots, scale) without a read, the
+    tensor read on each access, a context view still unread until wanted."""
+    reads = []
+    keys = torch.randn(2, 10, 4)
+    kv = LayerKV(Deferred(lambda: reads.append(1) or keys, keys.shape), None)
+    assert (kv.num_kv_heads, kv.num_slots, kv.softmax_scale) == (2, 10, 0.5) and not reads
+    context = kv.context(6)
+    assert context.num_slots == 6 and not reads
+    torch.testing.assert_close(context.keys, keys[:, :6])
+    torch.testing.assert_close(kv.keys, keys)
+    assert len(reads) == 2

@@ -15,8 +15,8 @@ from vllm_kvcomp.policies.base import LayerKV, RequestState
 from vllm_kvcomp.policies.entropy import (
     EntropyBudget,
     EntropyMemory,
-    attention_entropy,
     entropy_budgets,
+    row_entropies,
     split_layer_budget,
 )
 
@@ -59,6 +59,12 @@ def test_split_layer_budget():
     assert split_layer_budget(3) == (1, 1, 1)
     assert split_layer_budget(2) == (0, 1, 1)
     assert split_layer_budget(1) == (0, 0, 1)
+
+
+def attention_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Softmax and mean row entropy over the rows with a visible key (one rank)."""
+    probs, total, count = row_entropies(logits)
+    return probs, total / count if count else 0.0
 
 
 def test_attention_entropy_uniform_one_hot_and_empty():

@@ -90,8 +90,8 @@ def test_a_recompression_attends_only_the_queries_not_yet_counted(monkeypatch):
     from vllm_kvcomp.policies import h2o
 
     attended = []
-    real = h2o.window_attention
-    monkeypatch.setattr(h2o, "window_attention", lambda kv: attended.append(kv.window_query_positions().tolist()) or real(kv))
+    real = h2o.window_attention_mass
+    monkeypatch.setattr(h2o, "window_attention_mass", lambda kv: attended.append(kv.window_query_positions().tolist()) or real(kv))
     gen = torch.Generator().manual_seed(2)
     policy = H2O(budget=8, window=4, interval=2)
     keys, values = torch.randn(1, 20, 4, generator=gen), torch.randn(1, 20, 4, generator=gen)

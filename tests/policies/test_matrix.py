@@ -21,6 +21,7 @@ from tests.policies.conftest import (
     protected_slots,
     recompressing_cases,
 )
+from vllm_kvcomp.policies import base
 from vllm_kvcomp.policies.base import Policy, RequestState, ScorePolicy, SlotMemory
 from vllm_kvcomp.policies.registry import NO_COMPRESSION_WORDS
 
@@ -220,3 +221,19 @@ def test_page_rounding_keeps_a_superset_on_the_page_grid(case, n, group, fake_re
             _check_on_page_grid(layers, selections, state)
             request.apply(selections)
             steps_since = 0
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_window_attended_a_few_rows_at_a_time_keeps_what_the_whole_window_keeps(case, fake_request, monkeypatch):
+    """Policies attend their query window WINDOW_ROWS queries at a time (what engine/memory.py
+    bounds): in runs of 2 rows they keep exactly what they keep attending the window at once."""
+    def kept() -> list[list[torch.Tensor]]:
+        (done,) = compressions(make_case(case), fake_request(97, 3, 3, seed=5))
+        if case[1] in ("snapkv", "h2o", "pod", "entropy"):  # those that attend the window in runs: it is cut
+            assert done.layers[0].queries.shape[1] > 2
+        return [sel.indices for sel in done.selections]
+
+    whole = kept()
+    monkeypatch.setattr(base, "WINDOW_ROWS", 2)
+    for want, got in zip(whole, kept(), strict=True):
+        assert all(torch.equal(w, g) for w, g in zip(want, got, strict=True))

@@ -157,13 +157,14 @@ def test_only_razor_pod_and_duoattention_need_profiles():
         ("snapkv; budget=10", "budget", "an integer in [100, 5000]"),
         ("snapkv; budget=5001", "budget", "an integer in [100, 5000]"),
         ("snapkv; window=65", "window", "an integer in [0, 64]"),
+        ("expected_attention; observe=65", "observe", "an integer in [0, 64] (bounds.max_window)"),
         ("h2o; interval=2", "interval", "an integer >= 4"),
     ],
 )
 def test_bounds_refuse_client_values_outside_them(header, field, allowed):
     bounds = {"min_ratio": 0.1, "max_ratio": 0.9, "min_budget": 100, "max_budget": 5000,
               "max_window": 64, "min_interval": 4}
-    cfg = config(bounds=bounds, allow=["full", "snapkv", "h2o"], policies={"h2o": {"interval": 16}})
+    cfg = config(bounds=bounds, allow=["full", "snapkv", "h2o", "expected_attention"], policies={"h2o": {"interval": 16}})
     with pytest.raises(SpecError) as err:
         cfg.resolve(spec(header))
     assert (err.value.field, err.value.allowed) == (field, allowed)

@@ -31,9 +31,42 @@ import torch
 from vllm_kvcomp.params import COMMON_PARAMS, Param, SpecError, kept_count
 
 
+class Deferred:
+    """A tensor of a known ``shape``, read (``read()``) each time it is wanted: what the engine
+    gives a policy as a layer's keys and values, so a decision holds one layer's K+V at a time
+    (the engine's reader keeps only the last layer it read; a policy that keeps a layer's tensor
+    keeps that copy alive, nothing overwrites it)."""
+
+    __slots__ = ("read", "shape")
+
+    def __init__(self, read: Callable[[], torch.Tensor], shape: tuple[int, ...]):
+        self.read, self.shape = read, tuple(shape)
+
+    def narrow(self, tokens: int) -> Deferred:
+        """Its first ``tokens`` slots (dim 1), still unread."""
+        return Deferred(lambda: self.read()[:, :tokens], (self.shape[0], tokens, *self.shape[2:]))
+
+
+class _Deferrable:
+    """A :class:`LayerKV` tensor field that may be set to a :class:`Deferred` (read on access)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = f"_{name}"
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        value = obj.__dict__[self.slot]
+        return value.read() if isinstance(value, Deferred) else value
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[self.slot] = value
+
+
 @dataclass
 class LayerKV:
-    """What a policy sees of one layer of one request."""
+    """What a policy sees of one layer of one request. ``keys`` and ``values`` may be given as
+    :class:`Deferred` (the engine does): read when a policy asks for them."""
 
     keys: torch.Tensor  # [H_kv, N, D]
     values: torch.Tensor | None  # [H_kv, N, D]; the engine gives None to a policy without ``READS_VALUES``
@@ -57,16 +90,21 @@ class LayerKV:
     observed_through: int = -1
 
     @property
+    def key_shape(self) -> tuple[int, ...]:
+        """``keys``' shape [H_kv, N, D], known without reading them."""
+        return tuple(self.__dict__["_keys"].shape)
+
+    @property
     def num_kv_heads(self) -> int:
-        return self.keys.shape[0]
+        return self.key_shape[0]
 
     @property
     def num_slots(self) -> int:
-        return self.keys.shape[1]
+        return self.key_shape[1]
 
     @property
     def softmax_scale(self) -> float:
-        return self.scale if self.scale is not None else self.keys.shape[-1] ** -0.5
+        return self.scale if self.scale is not None else self.key_shape[-1] ** -0.5
 
     def valid_lengths(self) -> torch.Tensor:
         """[H_kv] int64 number of valid (right-aligned) slots per head."""
@@ -106,11 +144,22 @@ class LayerKV:
         if queries is not None:
             before = self.window_query_positions() < tokens
             queries, query_positions = queries[:, before], self.window_query_positions()[before]
+        keys, values = self.__dict__["_keys"], self.__dict__["_values"]
         return replace(
-            self, keys=self.keys[:, :tokens], values=None if self.values is None else self.values[:, :tokens],
+            self, keys=_narrow(keys, tokens), values=None if values is None else _narrow(values, tokens),
             lengths=torch.full((self.num_kv_heads,), tokens, dtype=torch.long), positions=positions[:, :tokens],
             queries=queries, query_positions=query_positions,
         )
+
+
+LayerKV.keys = _Deferrable()  # type: ignore[assignment]  # after @dataclass: its __init__ sets through them
+LayerKV.values = _Deferrable()  # type: ignore[assignment]
+LayerKV.keys.__set_name__(LayerKV, "keys")
+LayerKV.values.__set_name__(LayerKV, "values")
+
+
+def _narrow(tensor: torch.Tensor | Deferred, tokens: int) -> torch.Tensor | Deferred:
+    return tensor.narrow(tokens) if isinstance(tensor, Deferred) else tensor[:, :tokens]
 
 
 @dataclass
@@ -522,6 +571,31 @@ def window_attention(kv: LayerKV) -> torch.Tensor:
     Returns [H_q, w, N] probabilities, zero on invalid or future (causal) slots.
     """
     return visible_softmax(window_logits(kv))
+
+
+#: window queries attended at once where a policy wants only sums over them: one layer's
+#: attention then takes ``H_q × WINDOW_ROWS × N`` float32 whatever the window (``engine/memory.py``)
+WINDOW_ROWS = 64
+
+
+def window_chunks(kv: LayerKV) -> list[LayerKV]:
+    """``kv`` with its window queries cut into runs of at most :data:`WINDOW_ROWS` (itself when
+    they fit one)."""
+    if kv.queries is None or kv.queries.shape[1] <= WINDOW_ROWS:
+        return [kv]
+    positions = kv.window_query_positions()
+    return [replace(kv, queries=kv.queries[:, i : i + WINDOW_ROWS], query_positions=positions[i : i + WINDOW_ROWS])
+            for i in range(0, kv.queries.shape[1], WINDOW_ROWS)]
+
+
+def window_attention_mass(kv: LayerKV) -> torch.Tensor:
+    """[H_q, N] :func:`window_attention` summed over the window queries, :data:`WINDOW_ROWS` of
+    them at a time."""
+    total = None
+    for part in window_chunks(kv):
+        mass = window_attention(part).sum(dim=1)
+        total = mass if total is None else total.add_(mass)
+    return total
 
 
 def visible_softmax(logits: torch.Tensor) -> torch.Tensor:
@@ -1205,4 +1279,6 @@ __all__ = [
     "round_to_pages_layers",
     "visible_softmax",
     "window_attention",
+    "window_attention_mass",
+    "window_chunks",
 ]

@@ -31,11 +31,9 @@ import torch
 
 from vllm_kvcomp.params import Param, SpecError
 from vllm_kvcomp.policies.base import (
-    ONE_RANK,
     LayerKV,
     Policy,
     Ranking,
-    Ranks,
     RequestState,
     Selection,
     SlotMemory,
@@ -46,14 +44,14 @@ from vllm_kvcomp.policies.base import (
     slot_mask,
     snap_to_pages,
     visible_softmax,
+    window_chunks,
     window_logits,
 )
 
 
-def attention_entropy(logits: torch.Tensor, ranks: Ranks = ONE_RANK) -> tuple[torch.Tensor, float]:
-    """Softmax of window logits [H_q, w, N] (-inf = hidden; overwritten) and its mean Shannon
-    entropy (nats) over the rows with a visible key, over the query heads of every tensor-parallel
-    rank. Returns (probs [H_q, w, N], zero on hidden slots and empty rows; entropy).
+def row_entropies(logits: torch.Tensor) -> tuple[torch.Tensor, float, int]:
+    """(softmax of window logits [H_q, w, N] (-inf = hidden; overwritten), the sum of its rows'
+    Shannon entropies over the rows with a visible key, the number of those rows) on this rank.
 
     A row's entropy is ``lse - sum(p * logit)`` with ``lse = max logit - log(max p)``: no
     logarithm per element (``-sum(p log p)`` cost ~4x the softmax itself)."""
@@ -62,9 +60,7 @@ def attention_entropy(logits: torch.Tensor, ranks: Ranks = ONE_RANK) -> tuple[to
     live = torch.isfinite(top)
     lse = top - probs.amax(dim=-1).log()
     rows = lse - torch.linalg.vecdot(probs, logits.clamp_(min=torch.finfo(logits.dtype).min))  # 0 * hidden = 0
-    total = float(rows[live].sum())
-    count = ranks.reduce(int(live.sum()), sum)
-    return probs, (ranks.reduce(total, sum) / count if count else 0.0)
+    return probs, float(rows[live].sum()), int(live.sum())
 
 
 def _solve_scale(e: torch.Tensor, low: int, high: int, total: int) -> float:
@@ -166,18 +162,31 @@ class EntropyBudget(Policy):
     def select(self, layers: Sequence[LayerKV], state: RequestState) -> list[Selection]:
         if layers and all(state.layer(kv.layer, EntropyMemory).budget is not None for kv in layers):
             return self._slide(layers, state)
-        stats = [attention_entropy(window_logits(kv), state.ranks) for kv in layers]
-        probs = [p for p, _ in stats]  # each [H_q, w, N]
+        stats = [self._layer_stats(kv, state) for kv in layers]  # one layer's attention held at a time
         longest = budget_basis(layers, state)
         target = self.target_budget(longest)
         budgets = entropy_budgets([e for _, e in stats], target, self.min_ratio, self.max_ratio)
         budgets = snap_to_pages(budgets, state.page_quantum, longest)  # whole pages, the same sum
         state.budget = max(budgets, default=target)
-        return [self._select_shared(kv, p, b, state) for kv, p, b in zip(layers, probs, budgets)]
+        return [self._select_shared(kv, shared, b, state) for kv, (shared, _), b in zip(layers, stats, budgets)]
 
-    def _select_shared(self, kv: LayerKV, probs: torch.Tensor, budget: int, state: RequestState) -> Selection:
-        """Shared ranking (attention summed over heads and queries) -> sink + top + recent."""
-        shared = state.ranks.sum_tensor(probs.float().sum(dim=(0, 1)))  # [N], every rank's heads, where the cache is
+    @staticmethod
+    def _layer_stats(kv: LayerKV, state: RequestState) -> tuple[torch.Tensor, float]:
+        """(the layer's shared ranking [N]: its window attention summed over heads and queries, of
+        every rank's heads, where the cache is; the mean of its rows' entropies over every rank),
+        the window attended ``WINDOW_ROWS`` queries at a time."""
+        shared, total, count = None, 0.0, 0
+        for part in window_chunks(kv):
+            probs, part_total, part_count = row_entropies(window_logits(part))
+            mass = probs.float().sum(dim=(0, 1))
+            shared = mass if shared is None else shared.add_(mass)
+            total, count = total + part_total, count + part_count
+        count = state.ranks.reduce(count, sum)
+        entropy = state.ranks.reduce(total, sum) / count if count else 0.0
+        return state.ranks.sum_tensor(shared), entropy
+
+    def _select_shared(self, kv: LayerKV, shared: torch.Tensor, budget: int, state: RequestState) -> Selection:
+        """Shared ranking ``shared`` [N] -> sink + top + recent."""
         sink, _, recent = split_layer_budget(budget)
         lengths = kv.valid_lengths()
         priority = Ranking(shared.expand(kv.num_kv_heads, -1))

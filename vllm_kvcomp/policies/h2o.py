@@ -50,7 +50,7 @@ from vllm_kvcomp.policies.base import (
     Selection,
     SlotMemory,
     reduce_gqa,
-    window_attention,
+    window_attention_mass,
 )
 from vllm_kvcomp.policies.wrappers import HEADS_PARAMS, HeadsChoice
 
@@ -111,7 +111,7 @@ class H2O(HeadsChoice, ScorePolicy):
         if bool(fresh.any()):
             # only the fresh queries attend (a decode recompression counts `interval` of the window)
             fresh_kv = replace(kv, queries=kv.queries[:, fresh.to(kv.queries.device)], query_positions=query_pos[fresh])
-            probs = window_attention(fresh_kv).sum(dim=1)  # [H_q, N]
+            probs = window_attention_mass(fresh_kv)  # [H_q, N]
             acc = acc + reduce_gqa(probs, kv.num_kv_heads).float()
             counted = int(query_pos.max())
         memory.pending = (acc, counted)

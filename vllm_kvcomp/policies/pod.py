@@ -49,6 +49,7 @@ from vllm_kvcomp.policies.base import (
     protected_topk,
     reduce_gqa,
     snap_to_pages,
+    window_chunks,
     window_logits,
 )
 from vllm_kvcomp.policies.compensation import attention_with_lse
@@ -175,16 +176,10 @@ class POD(Policy):
                 continue
             # the lowest layer of the group that this call sees (all of it, unless layers are sharded)
             anchor = present[0]
-            anchor_logits = window_logits(anchor)
-            _, anchor_distant = self._split(anchor)
-            d_mask = anchor_distant.repeat_interleave(_group_size(anchor), 0).unsqueeze(1).to(anchor_logits.device)
-            d_logits = anchor_logits.masked_fill(~d_mask, float("-inf"))
-            lse_distant = d_logits.logsumexp(-1)  # [H_q, w]
-            probs = torch.softmax(d_logits, -1).nan_to_num(0.0)  # eq. 3 distant softmax
-            by_position = _scores_by_position(anchor, reduce_gqa(probs.mean(1), anchor.num_kv_heads))
+            lse_distant, mean = self._distant(anchor)
+            by_position = _scores_by_position(anchor, reduce_gqa(mean, anchor.num_kv_heads))
             for kv in present:
-                logits = anchor_logits if kv is anchor else window_logits(kv)
-                scored[kv.layer] = self._score_layer(kv, logits, lse_distant, by_position)
+                scored[kv.layer] = self._score_layer(kv, lse_distant, by_position)
         keeps = self._keeps(layers, [scored[kv.layer][0] for kv in layers], state)
         sink, window = int(self.sink or 0), int(self.window or 0)
         rankings = [Ranking(scored[kv.layer][1]) for kv in layers]
@@ -207,13 +202,34 @@ class POD(Policy):
         shares = torch.tensor(shares).view(every.shape)
         return torch.minimum(shares[:, offset : offset + local.shape[1]], lengths).tolist()
 
-    def _score_layer(self, kv: LayerKV, logits: torch.Tensor, lse_distant: torch.Tensor,
+    def _distant(self, anchor: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
+        """The group anchor's distant attention (eq. 3): its log-sum-exp [H_q, w] and the softmax
+        over the distant tokens averaged over the window queries [H_q, N], the window attended
+        ``WINDOW_ROWS`` queries at a time (one layer's ``[H_q, rows, N]`` held, whatever the window)."""
+        _, distant = self._split(anchor)
+        parts, lses, mass = window_chunks(anchor), [], None
+        for part in parts:
+            logits = window_logits(part)
+            d_mask = distant.repeat_interleave(_group_size(anchor), 0).unsqueeze(1).to(logits.device)
+            d_logits = logits.masked_fill_(~d_mask, float("-inf"))
+            lses.append(d_logits.logsumexp(-1))  # [H_q, rows]
+            probs = torch.softmax(d_logits, -1).nan_to_num(0.0)  # eq. 3 distant softmax
+            if len(parts) == 1:
+                return lses[0], probs.mean(1)
+            mass = probs.sum(1) if mass is None else mass.add_(probs.sum(1))
+        return torch.cat(lses, dim=1), mass / anchor.queries.shape[1]
+
+    def _score_layer(self, kv: LayerKV, lse_distant: torch.Tensor,
                      by_position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(skip [H_kv]: the head drops its distant tokens, scores [H_kv, N] by the group's anchor)."""
         proximal, _ = self._split(kv)
         group = _group_size(kv)
-        p_mask = proximal.repeat_interleave(group, 0).unsqueeze(1).to(logits.device)
-        lse_proximal = logits.masked_fill(~p_mask, float("-inf")).logsumexp(-1)  # [H_q, w]
+        lses = []
+        for part in window_chunks(kv):
+            logits = window_logits(part)
+            p_mask = proximal.repeat_interleave(group, 0).unsqueeze(1).to(logits.device)
+            lses.append(logits.masked_fill_(~p_mask, float("-inf")).logsumexp(-1))
+        lse_proximal = torch.cat(lses, dim=1)  # [H_q, w]
         gate = pod_gate(lse_proximal, lse_distant).mean(1)  # [H_q]
         skip = (gate >= self.tau).view(kv.num_kv_heads, group).all(1).cpu()  # [H_kv]
         positions = kv.slot_positions()

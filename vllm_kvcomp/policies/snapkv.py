@@ -22,7 +22,7 @@ from vllm_kvcomp.policies.base import (
     RequestState,
     ScorePolicy,
     reduce_gqa,
-    window_attention,
+    window_attention_mass,
 )
 from vllm_kvcomp.policies.wrappers import HEADS_PARAMS, HeadsChoice
 
@@ -73,7 +73,7 @@ class SnapKV(HeadsChoice, ScorePolicy):
         just before the window borrow the window's large local attention. The window itself is
         always kept; its slots score the row maximum.
         """
-        votes = reduce_gqa(window_attention(kv).sum(dim=1), kv.num_kv_heads)  # [H_kv, N]
+        votes = reduce_gqa(window_attention_mass(kv), kv.num_kv_heads)  # [H_kv, N]
         start = kv.num_slots - min(self.window, kv.num_slots)  # right-aligned: same for every head
         prefix = votes.clone()
         prefix[:, start:] = 0.0

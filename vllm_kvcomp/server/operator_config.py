@@ -42,8 +42,9 @@ from vllm_kvcomp.spec import CompressionSpec, parse_header
 
 PolicyName = Literal[POLICY_NAMES]  # type: ignore[valid-type]
 ProfileKind = Literal[PROFILE_KINDS]  # type: ignore[valid-type]
-# Effective policy fields that ``bounds`` limits (``lag``: LagKV recompresses every ``lag`` steps).
-BOUNDED_FIELDS = ("ratio", "budget", "window", "interval", "lag")
+# Effective policy fields that ``bounds`` limits (``lag``: LagKV recompresses every ``lag`` steps;
+# ``observe``: the observation window of pod, expected_attention and criticalkv, by ``max_window``).
+BOUNDED_FIELDS = ("ratio", "budget", "window", "observe", "interval", "lag")
 #: Default ``bounds.min_interval``: decode steps between two compressions of one request. One
 #: compression of a 2K-token request on the bundled model costs about as much as a few decode
 #: steps (docs/operator_config.md has the measurements), so one compression per 16 steps keeps
@@ -108,6 +109,7 @@ class Bounds(_Model):
             "ratio": (self.min_ratio, self.max_ratio, "a number in [{lo:g}, {hi:g}]"),
             "budget": (self.min_budget, self.max_budget, "an integer in [{lo}, {hi}]"),
             "window": (0, self.max_window, "an integer in [{lo}, {hi}]"),
+            "observe": (0, self.max_window, "an integer in [{lo}, {hi}] (bounds.max_window)"),
             "interval": (self.min_interval, None, "an integer >= {lo}"),
             "lag": (self.min_interval, None, "an integer >= {lo}: lagkv recompresses every `lag` decode steps"),
         }
