@@ -234,6 +234,11 @@ LEDGER: tuple[Use, ...] = (
     Use("vllm.engine.protocol:EngineClient.generate", "PATCH: wrapped per API-server instance (ResultTap): "
         "vLLM drops kv_transfer_params from streamed responses and from every prompt after the first of a "
         "completion batch; remove when streams carry them", "usage.kv_compression is missing in streams"),
+    Use("vllm.v1.worker.gpu_worker:Worker.determine_available_memory", "PATCH (installed at plugin load): a GPU "
+        "worker of an engine with the kvcomp connector leaves the memory kvcomp reserves outside the KV pool "
+        "(engine/memory.py) out of the KV budget it reports, as vLLM leaves out its CUDA graphs' (not when "
+        "kv_cache_memory_bytes sets the budget)", "kvcomp's temporaries are not budgeted: an out-of-memory error "
+        "fails the compression (the request is served uncompressed) instead of being planned for"),
     Use("vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs", "PATCH (installed at plugin load): the "
         "V1 model runner (vLLM's CPU runner; on CUDA where Model Runner V2 is off) reports its batch's request ids "
         "in row order before the forward, so the worker finds its rows without reading device tensors (Model "
@@ -728,6 +733,31 @@ def server_env_setup() -> None:
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
 
     cli_env_setup()
+
+
+def reserve_outside_kv_cache(reserved: Callable[[Any], int]) -> None:
+    """PATCH (see the ledger), installed once at plugin load: a GPU worker's KV budget is what
+    vLLM measured less ``reserved(vllm_config)`` bytes, logged (none when the operator set the
+    budget with ``kv_cache_memory_bytes``)."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    determine = Worker.determine_available_memory
+    if getattr(determine, "_kvcomp_reserving", False):
+        return
+
+    def reserving(self: Any) -> int:
+        available = determine(self)
+        nbytes = 0 if self.vllm_config.cache_config.kv_cache_memory_bytes else reserved(self.vllm_config)
+        if nbytes:
+            import logging
+
+            logging.getLogger(__name__).info("vllm-kvcomp: %.2f GiB of the KV budget reserved for compression "
+                                             "(%.2f GiB left for the KV cache)", nbytes / (1 << 30),
+                                             (available - nbytes) / (1 << 30))
+        return available - nbytes
+
+    reserving._kvcomp_reserving = True
+    Worker.determine_available_memory = reserving
 
 
 def report_batch_order(report: Callable[[list[str], Any], None]) -> None:

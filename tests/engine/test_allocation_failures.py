@@ -84,7 +84,7 @@ def arm_off_the_step(monkeypatch, target: tuple[bool, int], allocator: RefusingA
     and its switch (in the step) under ``allocator``."""
     seen: list[bool] = []
     targeted: list[object] = []
-    decide, switch = KVCompWorker._decide, KVCompWorker._switch
+    decide, switch = KVCompWorker.decide, KVCompWorker._switch
 
     def watched_decide(self, state, block_ids, end, decode, policy_state):
         rank = sum(1 for d in seen if d == decode)
@@ -102,7 +102,7 @@ def arm_off_the_step(monkeypatch, target: tuple[bool, int], allocator: RefusingA
         with allocator:
             return switch(self, rid, state, sched, decision, now, started)
 
-    monkeypatch.setattr(KVCompWorker, "_decide", watched_decide)
+    monkeypatch.setattr(KVCompWorker, "decide", watched_decide)
     monkeypatch.setattr(KVCompWorker, "_switch", watched_switch)
     return seen
 

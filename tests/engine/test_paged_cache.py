@@ -129,12 +129,19 @@ def test_move_reads_every_source_before_writing(kind, device):
     torch.testing.assert_close(cache.pages[untouched], before[untouched], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("chunk", [None, 7])
 @pytest.mark.parametrize(("kind", "device"), CASES)
-def test_a_large_move_changes_exactly_its_destinations(kind, device):
+def test_a_large_move_changes_exactly_its_destinations(kind, device, chunk, monkeypatch):
     """A decode recompression's move at scale: cells of a few pages shuffled onto each other's
     places (most destinations are other moves' sources). The whole buffer afterwards equals
-    writing every source's old content to its destination, cell by cell, and nothing else."""
+    writing every source's old content to its destination, cell by cell, and nothing else; also
+    when the moves whose sources nothing overwrites go through a buffer of ``chunk`` cells."""
     cache = CLASSES[kind](buffer(device))
+    buffered = []
+    if chunk is not None:
+        monkeypatch.setattr(cache, "MOVE_CHUNK", chunk)
+        scratch = cache.scratch
+        monkeypatch.setattr(cache, "scratch", lambda name, shape: buffered.append(shape[0]) or scratch(name, shape))
     cache.pages.copy_(torch.randn_like(cache.pages))
     want = CLASSES[kind](buffer(device))
     want.pages.copy_(cache.pages)
@@ -146,6 +153,8 @@ def test_a_large_move_changes_exactly_its_destinations(kind, device):
     want.write_cells(pool_pages[dst], pool_offsets[dst], keys, values)
     cache.move(Move(pool_pages[src], pool_offsets[src], pool_pages[dst], pool_offsets[dst]))
     torch.testing.assert_close(cache.pages, want.pages, rtol=0, atol=0)
+    if chunk is not None:
+        assert buffered and max(buffered) == chunk  # some sources are no destination: they went through it
 
 
 def test_refusals():

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from vllm_kvcomp.engine.pages import PageGeometry, RequestPages
+from vllm_kvcomp.engine.pages import Move, PageGeometry, RequestPages
 
 L, H, BS, NUM_BLOCKS = 3, 2, 4, 64
 
@@ -76,8 +76,15 @@ class SimRequest:
                 self.expected[layer][head] = [self.expected[layer][head][i] for i in idx]
         before = self.pages.first_live_col
         move, self.pages = self.pages.compact(kept, torch.tensor(self.blocks), self.length)
-        data = self.cells[move.src_pages, move.src_offsets].clone()  # gather every source first
-        self.cells[move.dst_pages, move.dst_offsets] = data
+        src, dst = move.src_pages * BS + move.src_offsets, move.dst_pages * BS + move.dst_offsets
+        assert bool(move.clobbered[torch.isin(src, dst)].all())  # the plan marks every source it overwrites
+        ordered, k = move.staged(BS)  # as the caches move: the first k read first, the rest in slices
+        first = ordered[:k]
+        held = self.cells[first.src_pages, first.src_offsets].clone()
+        for start in range(k, len(ordered), 5):
+            part = ordered[start : start + 5]
+            self.cells[part.dst_pages, part.dst_offsets] = self.cells[part.src_pages, part.src_offsets].clone()
+        self.cells[first.dst_pages, first.dst_offsets] = held
         freed = self.blocks[before : self.pages.first_live_col]
         for block in freed:  # what the scheduler gives back: poison it
             self.cells[self.geometry.page_ids(torch.tensor([block])).flatten()] = -7
@@ -190,3 +197,19 @@ def test_a_decode_recompression_moves_only_the_pages_it_must():
         req.cells[req.geometry.page_ids(torch.tensor([block])).flatten()] = -7
     assert len(move) == L * H * (BS + 1)
     assert req.read() == req.expected
+
+
+def test_staged_moves_read_first_only_the_cells_something_overwrites():
+    """``Move.staged``: every move once, in order within each part; first exactly the moves whose
+    source cell is some move's destination (found cell by cell when the plan did not mark
+    them); a move into fresh pages (copy-on-compress) reads none first."""
+    gen = torch.Generator().manual_seed(4)
+    bs, n = 4, 50
+    cells = torch.randperm(40 * bs, generator=gen)
+    src, dst = cells[:n], torch.cat([cells[n - 20 : n], cells[n : n + 30]])  # 20 sources are destinations
+    ordered, first = Move(src // bs, src % bs, dst // bs, dst % bs).staged(bs)
+    clobbered = torch.isin(src, dst)
+    assert first == 20
+    assert torch.equal(ordered.src_pages * bs + ordered.src_offsets, torch.cat([src[clobbered], src[~clobbered]]))
+    assert torch.equal(ordered.dst_pages * bs + ordered.dst_offsets, torch.cat([dst[clobbered], dst[~clobbered]]))
+    assert Move(src // bs, src % bs, dst // bs + 1000, dst % bs).staged(bs)[1] == 0

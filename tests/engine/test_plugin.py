@@ -89,3 +89,23 @@ def test_a_multiconnector_that_includes_ours_does_not_start():
         MultiConnector.get_required_kvcache_layout(copy.copy(ours_and_example))
     others = MultiConnector._get_connector_classes_and_configs(composed("ExampleConnector"))
     assert [cls.__name__ for cls, _ in others] == ["ExampleConnector"]
+
+
+def test_a_gpu_workers_kv_budget_leaves_out_what_kvcomp_reserves(monkeypatch):
+    """Only an engine with the kvcomp connector gives up the reservation, and not when the
+    operator sized the KV cache with kv_cache_memory_bytes (vLLM then skips its own profile)."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    monkeypatch.setattr(Worker, "determine_available_memory", lambda self: 10 << 30)
+    vllm_compat.reserve_outside_kv_cache(lambda cfg: 3 << 30 if plugin.uses_kvcomp(cfg) else 0)
+    vllm_compat.reserve_outside_kv_cache(lambda cfg: 1 / 0)  # idempotent: the first stays
+    assert Worker.determine_available_memory._kvcomp_reserving
+
+    def worker(connector: str, kv_bytes: int | None = None) -> SimpleNamespace:
+        cfg = config(connector)
+        cfg.cache_config = SimpleNamespace(kv_cache_memory_bytes=kv_bytes)
+        return SimpleNamespace(vllm_config=cfg)
+
+    assert Worker.determine_available_memory(worker(plugin.CONNECTOR_NAME)) == 7 << 30
+    assert Worker.determine_available_memory(worker("OffloadingConnector")) == 10 << 30
+    assert Worker.determine_available_memory(worker(plugin.CONNECTOR_NAME, 5 << 30)) == 10 << 30

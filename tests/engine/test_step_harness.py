@@ -389,6 +389,39 @@ def test_leaks_names_what_is_left(make):
     h.pool.free_blocks(block)
 
 
+def test_a_query_window_no_later_decision_reads_is_given_back(make):
+    """A request's query window lies outside engine/memory.py's bound: once compressed at its
+    prompt's end, a policy whose decisions read no queries again (snapkv) gives its rows back;
+    one that recompresses over the cache (snapkv decode=recompress) keeps capturing."""
+    h = make()
+    h.add("once", ids(PROMPT, 5), "snapkv", max_tokens=3 * BS, **spec_for("snapkv"))
+    h.add("again", ids(PROMPT, 6), "snapkv", max_tokens=3 * BS, **spec_for("snapkv", decode="recompress"))
+    h.step_until(lambda h: h.compressed("once") and h.compressed("again"))
+    h.step()
+    windows = {rid: h.worker.requests[rid].window for rid in ("once", "again")}
+    assert windows["once"]._buffer is None and windows["once"].queries is None
+    assert windows["again"].queries is not None and windows["again"].queries.shape[0] == windows["again"].size
+    assert_clean(h)
+
+
+def test_a_decision_reads_the_request_one_layer_at_a_time(make, monkeypatch):
+    """What engine/memory.py bounds: a compression reads one layer's pages at a time ([H, W]
+    tables, never [L, H, W]), each layer once for a policy that scores each layer once."""
+    from vllm_kvcomp.engine import cache as paged
+
+    tables = []
+    for cls in (paged.CpuPagedCache, paged.CudaPagedCache):
+        monkeypatch.setattr(cls, "read_pages", lambda self, pages, *a, read=cls.read_pages, **k:
+                            tables.append(tuple(pages.shape)) or read(self, pages, *a, **k))
+    h = make()
+    h.add("a", ids(PROMPT, 5), "snapkv", max_tokens=4, **spec_for("snapkv"))
+    assert_clean(h)
+    if h.worker.offload is not None:
+        h.worker.offload.close(wait=True)
+    heads = h.worker.num_kv_heads
+    assert len(tables) == h.worker.num_layers and all(len(t) == 2 and t[0] == heads for t in tables)
+
+
 @pytest.mark.parametrize("paged_cache", ["cpu", "cuda"])
 def test_h2o_decode_recompressions_read_observed_attention(make, monkeypatch, paged_cache):
     """Both caches' decode kernels (kvcomp's C kernel; on the CUDA path the Triton kernel, here its
@@ -402,7 +435,7 @@ def test_h2o_decode_recompressions_read_observed_attention(make, monkeypatch, pa
     if paged_cache == "cpu" and cpu_native.library() is None:
         pytest.skip("no C compiler to build the kernel")
     reads, decodes, observed, decided = [], [], [], []
-    compress, decide = KVCompWorker._compress, KVCompWorker._decide
+    compress, decide = KVCompWorker._compress, KVCompWorker.decide
     read_pages = {cls: cls.read_pages for cls in (paged.CpuPagedCache, paged.CudaPagedCache)}
     add_window = H2O._add_window
 
@@ -413,7 +446,7 @@ def test_h2o_decode_recompressions_read_observed_attention(make, monkeypatch, pa
     for cls, read in read_pages.items():
         monkeypatch.setattr(cls, "read_pages", lambda self, *a, read=read, **k: reads.append(decodes[-1]) or read(self, *a, **k))
     monkeypatch.setattr(KVCompWorker, "_compress", tracked)
-    monkeypatch.setattr(KVCompWorker, "_decide", lambda self, *a: decided.append(a[3]) or decide(self, *a))
+    monkeypatch.setattr(KVCompWorker, "decide", lambda self, *a: decided.append(a[3]) or decide(self, *a))
     monkeypatch.setattr(H2O, "_add_window", staticmethod(
         lambda kv, memory, acc: observed.append(kv.observed is not None) or add_window(kv, memory, acc)))
     h = make(paged_cache=paged_cache)

@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "host": ("vllm_kvcomp.bench.host", "host time of the attention hook per layer by batch size, kernels stubbed"),
     "kernels": ("vllm_kvcomp.bench.kernels", "decode-attention kernel bandwidth vs device copy"),
     "kept": ("vllm_kvcomp.bench.kept", "kept fraction of every policy after prefill (HF oracle)"),
+    "memory": ("vllm_kvcomp.bench.memory", "peak memory of one compression outside the KV pool vs the start-up bound"),
     "multiturn": ("vllm_kvcomp.bench.multiturn", "multi-turn chat with prefix caching: hits, TTFT, KV per turn"),
     "peak": ("vllm_kvcomp.bench.peak", "through the server: peak KV one request holds around its compaction vs full"),
     "pages": ("vllm_kvcomp.bench.pages", "through the server: KV held, admission, decode speed vs full"),

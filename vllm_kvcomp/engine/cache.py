@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_kvcomp import vllm_compat
+from vllm_kvcomp.engine import memory
 from vllm_kvcomp.engine.pages import Move, PageGeometry
 from vllm_kvcomp.kernels import cpu_native
 from vllm_kvcomp.policies.compensation import soft_cap
@@ -149,8 +150,8 @@ class PagedCache(ABC):
 
     @abstractmethod
     def read_pages(self, pages: torch.Tensor, values: bool = True) -> Tensors:
-        """Keys, values [..., n * bs, D] of whole ``pages`` [..., n], cells in page order: copies
-        in buffers this cache reuses, valid until its next ``read_pages`` or ``move``; values None unless
+        """Keys, values [..., n * bs, D] of whole ``pages`` [..., n], cells in page order: fresh
+        copies (a decision reads one layer's at a time, :class:`LayerReader`); values None unless
         ``values``."""
 
     def scratch(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -167,11 +168,13 @@ class PagedCache(ABC):
     def write_cells(self, pages: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write keys/values [n, D] to the cells at (``pages``, ``offsets``) [n]."""
 
+    @abstractmethod
     def move(self, move: Move) -> None:
-        """Copy cells; every source is read before any destination is written."""
-        if len(move):
-            keys, values = self.read_cells(move.src_pages.to(self.device), move.src_offsets.to(self.device))
-            self.write_cells(move.dst_pages.to(self.device), move.dst_offsets.to(self.device), keys, values)
+        """Copy cells; every source is read before its cell is written (:meth:`Move.staged`)."""
+
+    #: most cells a packing copies through one buffer (:meth:`move`; a fixed
+    #: ``MOVE_CHUNK · 2D`` elements per thread, the cells of moves that must be read first aside)
+    MOVE_CHUNK: ClassVar[int] = memory.MOVE_CHUNK
 
     def observes(self, group: int, query_rows: list[int]) -> bool:
         """Whether :meth:`attend` of sequences with ``query_rows`` rows each (``group`` query heads
@@ -228,30 +231,54 @@ class CpuPagedCache(PagedCache):
         return self.keys_t[pages, :, offsets], self.values[pages, offsets] if values else None
 
     def move(self, move: Move) -> None:
-        """Gathered into the buffers :meth:`read_pages` reuses (a decode recompression of H2O at
-        8K moves ~170K cells: fresh buffers of that size cost more in page faults than the copy),
-        then written: keys by (page, :, offset), values as rows of :attr:`value_rows`. Nothing is
-        allocated once the first write began (an allocation failure leaves the cache as it was)."""
-        if len(move):
-            d, n = self.head_dim, len(move)
-            src_pages, src_offsets = move.src_pages.to(self.device), move.src_offsets.to(self.device)
-            dst_pages, dst_offsets = move.dst_pages.to(self.device), move.dst_offsets.to(self.device)
-            keys, values = self.scratch("keys_t", (n, d)), self.scratch("values", (n, d))
-            torch.ops.aten.index.Tensor_out(self.keys_t, [src_pages, None, src_offsets], out=keys)
-            torch.index_select(self.value_rows, 0, self.value_row(src_pages, src_offsets), out=values)
-            dst_rows = self.value_row(dst_pages, dst_offsets)  # every allocation before the first write
-            self.keys_t[dst_pages, :, dst_offsets] = keys
-            self.value_rows.index_copy_(0, dst_rows, values)
+        """Through bounded buffers (:meth:`Move.staged`): the cells whose source may be
+        overwritten are copied out first, the others go through one reused buffer of at most
+        :attr:`MOVE_CHUNK` cells per slice (a decode recompression of H2O at 8K moves ~170K
+        cells: fresh buffers of that size cost more in page faults than the copy); keys are
+        written by (page, :, offset), values as rows of :attr:`value_rows`. Everything is
+        allocated before the first write (an allocation failure leaves the cache as it was)."""
+        if not len(move):
+            return
+        d = self.head_dim
+        ordered, first = move.staged(self.geometry.block_size)
+        plan = self._move_indices(ordered)
+        widest = min(self.MOVE_CHUNK, len(ordered) - first)
+        keys, values = self.scratch("move_keys", (widest, d)), self.scratch("move_values", (widest, d))
+        held = (torch.empty(first, d, dtype=self.dtype), torch.empty(first, d, dtype=self.dtype))
+        self._gather_cells(plan, slice(0, first), *held)
+        for start in range(first, len(ordered), self.MOVE_CHUNK):
+            rows = slice(start, min(start + self.MOVE_CHUNK, len(ordered)))
+            n = rows.stop - rows.start
+            self._gather_cells(plan, rows, keys[:n], values[:n])
+            self._write_cells(plan, rows, keys[:n], values[:n])
+        self._write_cells(plan, slice(0, first), *held)
+
+    def _move_indices(self, move: Move) -> tuple[torch.Tensor, ...]:
+        """Source pages, offsets and value rows, destination pages, offsets and value rows."""
+        src_pages, src_offsets = move.src_pages.to(self.device), move.src_offsets.to(self.device)
+        dst_pages, dst_offsets = move.dst_pages.to(self.device), move.dst_offsets.to(self.device)
+        return (src_pages, src_offsets, self.value_row(src_pages, src_offsets),
+                dst_pages, dst_offsets, self.value_row(dst_pages, dst_offsets))
+
+    def _gather_cells(self, plan: tuple[torch.Tensor, ...], rows: slice, keys: torch.Tensor,
+                      values: torch.Tensor) -> None:
+        src_pages, src_offsets, src_rows = (x[rows] for x in plan[:3])
+        torch.ops.aten.index.Tensor_out(self.keys_t, [src_pages, None, src_offsets], out=keys)
+        torch.index_select(self.value_rows, 0, src_rows, out=values)
+
+    def _write_cells(self, plan: tuple[torch.Tensor, ...], rows: slice, keys: torch.Tensor,
+                     values: torch.Tensor) -> None:
+        dst_pages, dst_offsets, dst_rows = (x[rows] for x in plan[3:])
+        self.keys_t[dst_pages, :, dst_offsets] = keys
+        self.value_rows.index_copy_(0, dst_rows, values)
 
     def read_pages(self, pages: torch.Tensor, values: bool = True) -> Tensors:
         bs, d, flat = self.geometry.block_size, self.head_dim, pages.reshape(-1)
         gathered = torch.index_select(self.keys_t, 0, flat, out=self.scratch("keys_t", (flat.numel(), d, bs)))
-        keys = self.scratch("keys", (*pages.shape, bs, d))
-        keys.copy_(gathered.view(*pages.shape, d, bs).transpose(-1, -2))
+        keys = gathered.view(*pages.shape, d, bs).transpose(-1, -2).contiguous()
         if not values:
             return keys.flatten(-3, -2), None
-        read = self.scratch("values", (*pages.shape, bs, d))
-        torch.index_select(self.values, 0, flat, out=read.view(flat.numel(), bs, d))
+        read = torch.index_select(self.values, 0, flat).view(*pages.shape, bs, d)
         return keys.flatten(-3, -2), read.flatten(-3, -2)
 
     def write_cells(self, pages: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -458,8 +485,7 @@ class CudaPagedCache(PagedCache):
 
     def read_pages(self, pages: torch.Tensor, values: bool = True) -> Tensors:
         flat = pages.reshape(-1)
-        cells = self.scratch("cells", (flat.numel(), *self.cells.shape[1:]))
-        torch.index_select(self.cells, 0, flat, out=cells)
+        cells = torch.index_select(self.cells, 0, flat)
         cells = cells.view(*pages.shape, -1, 2 * self.head_dim).flatten(-3, -2)  # [..., n * bs, 2D]
         return cells[..., : self.head_dim], cells[..., self.head_dim :] if values else None  # K and V share cells
 
@@ -468,13 +494,22 @@ class CudaPagedCache(PagedCache):
 
     def move(self, move: Move) -> None:
         """A cell is K and V side by side: whole cells are gathered by row (``index_select`` over
-        the buffer as ``[pages * bs, 2D]`` rows) into a temporary, then scattered (``index_copy_``)."""
-        if len(move):
-            bs = self.geometry.block_size
-            rows = self.pages.view(-1, 2 * self.head_dim)
-            src = move.src_pages.to(self.device) * bs + move.src_offsets.to(self.device)
-            dst = move.dst_pages.to(self.device) * bs + move.dst_offsets.to(self.device)
-            rows.index_copy_(0, dst, rows.index_select(0, src))
+        the buffer as ``[pages * bs, 2D]`` rows), then scattered (``index_copy_``), through
+        bounded buffers as on the host (:meth:`Move.staged`), all allocated before the first write."""
+        if not len(move):
+            return
+        bs = self.geometry.block_size
+        rows = self.pages.view(-1, 2 * self.head_dim)
+        ordered, first = move.staged(bs)
+        src = (ordered.src_pages * bs + ordered.src_offsets).to(self.device)  # one transfer each
+        dst = (ordered.dst_pages * bs + ordered.dst_offsets).to(self.device)
+        buffer = self.scratch("move_cells", (min(self.MOVE_CHUNK, len(ordered) - first), rows.shape[1]))
+        held = rows.index_select(0, src[:first])
+        for start in range(first, len(ordered), self.MOVE_CHUNK):
+            part = buffer[: min(self.MOVE_CHUNK, len(ordered) - start)]
+            torch.index_select(rows, 0, src[start : start + part.shape[0]], out=part)
+            rows.index_copy_(0, dst[start : start + part.shape[0]], part)
+        rows.index_copy_(0, dst[:first], held)
 
     def attend(self, q: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, query_start: torch.Tensor,
                variant: AttentionVariant, compensation: SequenceCompensation | None,
@@ -503,3 +538,40 @@ class CudaPagedCache(PagedCache):
     def observes(self, group: int, query_rows: list[int]) -> bool:
         """Sequences of one query row each: the decode kernel sums their attention as it attends."""
         return bool(query_rows) and max(query_rows) == 1
+
+
+def right_aligned(read: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """[H, width, D] of one layer's heads read left-aligned ``read`` [H, S, D] (head h's
+    ``lengths[h]`` cells first), right-aligned with zeros on the left. A view when every head
+    is ``width`` long, else one row gather."""
+    if bool((lengths == width).all()):
+        return read[:, :width]
+    heads, cells, dim = read.shape
+    virtual = torch.arange(width) - (width - lengths.unsqueeze(1))  # [H, width]; < 0: padding
+    rows = (torch.arange(heads).unsqueeze(1) * cells + virtual.clamp(min=0)).flatten().to(read.device)
+    out = read.reshape(-1, dim).index_select(0, rows)
+    out.index_fill_(0, torch.nonzero(virtual.flatten() < 0).flatten().to(read.device), 0)
+    return out.view(heads, width, dim)
+
+
+class LayerReader:
+    """A request's virtual sequences read for a decision one layer at a time: ``tables`` [L, H, W]
+    (on the cache's device), ``lengths`` [L, H] (host). It keeps only the last layer it read
+    (policies ask for a layer's keys and values more than once), so a decision holds one
+    layer's K+V of the request, not all of them (``PluginMemory``)."""
+
+    def __init__(self, cache: PagedCache, tables: torch.Tensor, lengths: torch.Tensor, values: bool):
+        self.cache, self.tables, self.lengths, self.values = cache, tables, lengths, values
+        self.widths = lengths.amax(dim=1).tolist()
+        self._last: tuple[int, Tensors] | None = None
+
+    def layer(self, layer: int) -> Tensors:
+        """Keys, values [H, width, D] of ``layer``, right-aligned per head as policies expect."""
+        if self._last is not None and self._last[0] == layer:
+            return self._last[1]
+        self._last = None  # dropped before the next one is read
+        read = self.cache.read_pages(self.tables[layer], self.values)
+        width = self.widths[layer]
+        aligned = tuple(None if x is None else right_aligned(x, self.lengths[layer], width) for x in read)
+        self._last = (layer, aligned)
+        return aligned

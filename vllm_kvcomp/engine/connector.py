@@ -19,6 +19,7 @@ import torch
 from vllm_kvcomp import vllm_compat
 from vllm_kvcomp.engine import support
 from vllm_kvcomp.engine.cache import AttentionVariant, CpuPagedCache, CudaPagedCache, PagedCache
+from vllm_kvcomp.engine.memory import PluginMemory, shapes_of
 from vllm_kvcomp.engine.metadata import StepMetadata, WorkerReport
 from vllm_kvcomp.engine.metrics import KVCompPromMetrics, KVCompStats
 from vllm_kvcomp.engine.offload import parse_lag
@@ -171,6 +172,8 @@ class KVCompConnector(KVConnectorBase_V1, SupportsHMA):
                                              async_scheduling=bool(vllm_config.scheduler_config.async_scheduling))
             if unavailable is not None:
                 logger.warning("vllm-kvcomp: requests are served uncompressed: %s", unavailable)
+            else:
+                self.scheduler.reserved_bytes = self.memory_bound().reserved
         else:
             self.worker = KVCompWorker(block_size=block_size, policy_builder=factory.build,
                                        ranks=vllm_compat.tensor_parallel_ranks())
@@ -202,6 +205,13 @@ class KVCompConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.register(caches, index, cache_cls, variants, model_layers, output_projections(layers))
         except NotImplementedError as err:
             self.worker.disable(str(err))
+            return
+        where = "taken from the KV budget" if vllm_compat.platform_kind() == "cuda" else "beside the KV space"
+        logger.info("vllm-kvcomp: memory outside the KV pool bounded at %s, %s", self.memory_bound().describe(), where)
+
+    def memory_bound(self) -> PluginMemory:
+        """What a worker of this engine holds outside the KV pool at most (:mod:`~vllm_kvcomp.engine.memory`)."""
+        return PluginMemory.bound(shapes_of(self._vllm_config))
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:

@@ -19,6 +19,8 @@ Series (labels ``model_name``, ``engine`` as vLLM's own; per-policy series add `
 - ``vllm:kvcomp_saved_blocks``              gauge, blocks currently freed early
 - ``vllm:kvcomp_held_blocks``               gauge, blocks held by running compressed requests
 - ``vllm:kvcomp_uncompressed_blocks``       gauge, blocks the same requests would hold uncompressed
+- ``vllm:kvcomp_reserved_bytes``            gauge, a worker's memory outside the KV pool, bounded at
+  start-up (``engine/memory.py``)
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ GAUGES = {
     "saved_blocks": "KV-cache blocks currently freed early by compression of running requests.",
     "held_blocks": "KV-cache blocks held by running compressed requests.",
     "uncompressed_blocks": "KV-cache blocks the running compressed requests would hold uncompressed.",
+    "reserved_bytes": "Bytes a worker may hold outside the KV pool for compression, bounded at start-up "
+                      "(on a GPU taken from the KV budget).",
 }
 
 

@@ -53,6 +53,19 @@ class PageGeometry:
     def pages_per_block(self) -> int:
         return self.num_layers * self.num_kv_heads
 
+    def in_blocks(self, pages: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """[n] bool: whether each of ``pages`` [n] lies in one of ``blocks`` (a packed page may
+        hold any layer's cells: its block is found from the layer slice it lies in)."""
+        starts, order = self.first_page.sort()
+        layers = order[torch.searchsorted(starts, pages, right=True) - 1]
+        of = (pages - self.first_page[layers]) // self.num_kv_heads
+        if not of.numel():
+            return torch.zeros(0, dtype=torch.bool)
+        top = max(int(of.max()), int(blocks.max()) if blocks.numel() else 0)
+        marked = torch.zeros(top + 1, dtype=torch.bool)
+        marked[blocks] = True
+        return marked[of]
+
     def page_ids(self, blocks: torch.Tensor) -> torch.Tensor:
         """[L, H, n] page ids of physical ``blocks`` [n] for every layer and head."""
         blocks = torch.as_tensor(blocks, dtype=torch.long)
@@ -71,9 +84,28 @@ class Move:
     src_offsets: torch.Tensor
     dst_pages: torch.Tensor
     dst_offsets: torch.Tensor
+    #: [n] bool, the moves whose source some move may overwrite, when the plan knows (a source
+    #: in a block it writes); None: found cell by cell
+    clobbered: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.src_pages.numel())
+
+    def __getitem__(self, rows: slice | torch.Tensor) -> Move:
+        return Move(self.src_pages[rows], self.src_offsets[rows], self.dst_pages[rows], self.dst_offsets[rows],
+                    None if self.clobbered is None else self.clobbered[rows])
+
+    def staged(self, block_size: int) -> tuple[Move, int]:
+        """These moves ordered so that the ``k`` whose source may be overwritten (:attr:`clobbered`)
+        come first, and ``k``: those are read before anything is written; the others' sources are
+        never written, so they can go through one bounded buffer a slice at a time.
+        Copy-on-compress writes only spares: ``k`` is 0."""
+        clobbered = self.clobbered
+        if clobbered is None:
+            src = self.src_pages * block_size + self.src_offsets
+            clobbered = torch.isin(src, self.dst_pages * block_size + self.dst_offsets)
+        order = torch.cat([torch.nonzero(clobbered).flatten(), torch.nonzero(~clobbered).flatten()])
+        return self[order], int(clobbered.sum())
 
 
 @dataclass
@@ -203,7 +235,9 @@ class RequestPages:
         src_pages, src_offsets = old_tables[cell_head, src // bs], src % bs
         dst_pages, dst_offsets = own[cell_head, dst // bs], dst % bs
         moved = (src_pages != dst_pages) | (src_offsets != dst_offsets)
-        move = Move(src_pages[moved], src_offsets[moved], dst_pages[moved], dst_offsets[moved])
+        written = targets if not residue else torch.cat([targets, block_ids[growth : growth + 1]])
+        move = Move(src_pages, src_offsets, dst_pages, dst_offsets,
+                    g.in_blocks(src_pages, written))[moved]
         old_positions = self.positions(end).view(heads, -1)  # right-aligned: virtual index v at v + N - length
         padding = old_positions.shape[1] - self.lengths(end).flatten()
         position_row = torch.repeat_interleave(torch.arange(heads) * old_positions.shape[1] + padding, counts)

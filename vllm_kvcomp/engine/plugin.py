@@ -39,6 +39,17 @@ def register_with_vllm() -> None:
     vllm_compat.refuse_composition(CONNECTOR_NAME, COMPOSED)
     vllm_compat.track_attention_owners(uses_kvcomp)  # before any model is built: the worker reads o_proj
     vllm_compat.report_batch_order(tell_worker_the_batch)
+    vllm_compat.reserve_outside_kv_cache(reserved_bytes)
+
+
+def reserved_bytes(vllm_config: Any) -> int:
+    """What a GPU worker of this engine takes from vLLM's KV budget for kvcomp (0 without the
+    kvcomp connector): :class:`~vllm_kvcomp.engine.memory.PluginMemory`'s reservation."""
+    if not uses_kvcomp(vllm_config):
+        return 0
+    from vllm_kvcomp.engine.memory import PluginMemory, shapes_of
+
+    return PluginMemory.bound(shapes_of(vllm_config)).reserved
 
 
 def tell_worker_the_batch(req_ids: list[str], num_scheduled: Any) -> None:
@@ -75,7 +86,7 @@ def backend_overrides(platform: str | None) -> dict[str, str]:
 
 
 def kv_transfer_config(profiles: dict[str, str] | None = None, long_prompts: bool = False,
-                       compression_lag: int | str | None = None) -> dict[str, Any]:
+                       compression_lag: int | str | None = None, max_window: int | None = None) -> dict[str, Any]:
     """The engine argument that turns kvcomp on (pass as ``kv_transfer_config=``).
 
     ``profiles`` maps a calibration kind (``razor``, ``pod``) to the profile the engine serves
@@ -84,7 +95,9 @@ def kv_transfer_config(profiles: dict[str, str] | None = None, long_prompts: boo
     prefill (``prefill=stream``) can then use prompts longer than the cache holds.
     ``compression_lag`` says when a compression decided off the step is packed
     (:mod:`~vllm_kvcomp.engine.offload`; default ``"auto"``: as soon as it is decided; 0: decided
-    and packed inside the step).
+    and packed inside the step). ``max_window``: the widest query window a request may ask for
+    (the operator config's ``bounds.max_window``), what the memory reserved at start-up is
+    computed for (:mod:`~vllm_kvcomp.engine.memory`).
     """
     config: dict[str, Any] = {"kv_connector": CONNECTOR_NAME, "kv_role": "kv_both"}
     extra: dict[str, Any] = {}
@@ -94,6 +107,8 @@ def kv_transfer_config(profiles: dict[str, str] | None = None, long_prompts: boo
         extra["long_prompts"] = True
     if compression_lag is not None:
         extra["compression_lag"] = compression_lag
+    if max_window is not None:
+        extra["max_window"] = max_window
     if extra:
         config["kv_connector_extra_config"] = extra
     return config

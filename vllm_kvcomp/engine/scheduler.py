@@ -136,6 +136,7 @@ class KVCompScheduler:
     preemptions: int = 0
     copy_on_compress: bool = False  # prefix caching on a model we can share it on
     cow: dict[str, CopyOnCompress] = field(default_factory=dict)
+    reserved_bytes: int = 0  # a worker's memory outside the KV pool, bounded at start-up (engine/memory.py)
 
     # ------------------------------------------------------------------ admission
     def on_new_request(self, request) -> None:
@@ -379,7 +380,8 @@ class KVCompScheduler:
                 "gauges": self.gauges()}
 
     def gauges(self) -> dict[str, int]:
-        """Blocks freed early, held, and that would be held uncompressed, over running tracked requests."""
+        """Blocks freed early, held, and that would be held uncompressed, over running tracked
+        requests; the bytes a worker reserves outside the KV pool."""
         held = uncompressed = 0
         for rid, stats in self.requests.items():
             if stats.unavailable is None and vllm_compat.holds_blocks(self.kv_cache_manager, rid, self.group):
@@ -387,4 +389,4 @@ class KVCompScheduler:
                 uncompressed += columns
                 held += columns - self.freed.get(rid, 0)
         return {"saved_blocks": sum(self.freed.values()), "held_blocks": held,
-                "uncompressed_blocks": uncompressed}
+                "uncompressed_blocks": uncompressed, "reserved_bytes": self.reserved_bytes}

@@ -111,6 +111,11 @@ class QueryWindow:
             return QueryWindow(self.size, self.limit, self.end)
         return dataclasses.replace(self, _buffer=queries.clone(), _start=0, _stop=queries.shape[0])
 
+    def release(self) -> None:
+        """Give the rows back (a compressed request whose next decision reads no queries, or
+        none it has yet): a later :meth:`push` allocates them again."""
+        self._buffer, self._start, self._stop = None, 0, 0
+
     def truncate(self, end: int) -> None:
         """Forget the queries of positions ``>= end`` (tokens the engine rolled back)."""
         if self.end <= end:

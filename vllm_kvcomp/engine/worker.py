@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -36,7 +37,7 @@ from vllm_kvcomp.engine.batch import (
     contiguous_decode,
     send_plan,
 )
-from vllm_kvcomp.engine.cache import AttentionVariant, PagedCache
+from vllm_kvcomp.engine.cache import AttentionVariant, LayerReader, PagedCache, right_aligned
 from vllm_kvcomp.engine.lifecycle import Phase
 from vllm_kvcomp.engine.metadata import (
     CompressionEvent,
@@ -51,6 +52,7 @@ from vllm_kvcomp.engine.state import CompressedRequest, ObservedAttention, Query
 from vllm_kvcomp.params import SpecError
 from vllm_kvcomp.policies.base import (
     ONE_RANK,
+    Deferred,
     LayerKV,
     Ranks,
     RequestState,
@@ -92,18 +94,9 @@ class CompactionPlan:
     event: CompressionEvent
 
 
-def _right_aligned(read: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
-    """[H, width, D] of one layer's heads read left-aligned ``read`` [H, S, D] (head h's
-    ``lengths[h]`` cells first), right-aligned with zeros on the left. A view when every head
-    is ``width`` long, else one row gather."""
-    if bool((lengths == width).all()):
-        return read[:, :width]
-    heads, cells, dim = read.shape
-    virtual = torch.arange(width) - (width - lengths.unsqueeze(1))  # [H, width]; < 0: padding
-    rows = (torch.arange(heads).unsqueeze(1) * cells + virtual.clamp(min=0)).flatten().to(read.device)
-    out = read.reshape(-1, dim).index_select(0, rows)
-    out.index_fill_(0, torch.nonzero(virtual.flatten() < 0).flatten().to(read.device), 0)
-    return out.view(heads, width, dim)
+def _part(reader: LayerReader, layer: int, part: int) -> torch.Tensor:
+    """Keys (0) or values (1) of ``layer`` from ``reader``."""
+    return reader.layer(layer)[part]
 
 
 class KVCompWorker:
@@ -449,8 +442,9 @@ class KVCompWorker:
         every = observed is not None and observed.through == end - 1
         reads = state.policy.reads_cache(policy_state) and not every
         if reads:  # a head's virtual sequence is its table's pages in order: read whole pages, one gather
-            # (a cell-by-cell gather of heads of unequal lengths cost ~3x as much per cell)
-            full_k, full_v = self.cache.read_pages(tables.to(self.cache.device), state.policy.READS_VALUES)  # [L, H, W·bs, D]
+            # per layer when a policy asks for it (a cell-by-cell gather of heads of unequal lengths
+            # cost ~3x as much per cell); one layer's K+V held at a time
+            reader = LayerReader(self.cache, tables.to(self.cache.device), lengths, state.policy.READS_VALUES)
         else:  # positions suffice (Policy.reads_cache): keys of the right shape, NaN, nothing read
             unread = torch.full((1, 1, 1), float("nan"), dtype=self.cache.dtype, device=self.cache.device)
         every_position = state.pages.positions(end)  # [L, H, n], right-aligned like the K/V
@@ -460,13 +454,14 @@ class KVCompWorker:
             window = state.window
             queries = None if window.queries is None else window.queries[:, layer].transpose(0, 1)
             if reads:
-                keys, values = (None if x is None else _right_aligned(x[layer], lengths[layer], width)
-                                for x in (full_k, full_v))
+                shape = (lengths.shape[1], width, self.cache.head_dim)
+                keys = Deferred(functools.partial(_part, reader, layer, 0), shape)
+                values = Deferred(functools.partial(_part, reader, layer, 1), shape) if reader.values else None
             else:
                 keys, values = unread.expand(lengths.shape[1], width, self.cache.head_dim), None
             seen = None
             if observed is not None:  # virtual order, like the pages: right-aligned as the keys
-                seen = _right_aligned(observed.sums[layer, :, :n].unsqueeze(-1), lengths[layer], width).squeeze(-1)
+                seen = right_aligned(observed.sums[layer, :, :n].unsqueeze(-1), lengths[layer], width).squeeze(-1)
             inputs.append(LayerKV(  # layers by model index
                 keys=keys, values=values, observed=seen, observed_through=-1 if observed is None else observed.through,
                 layer=self.model_layers[layer], num_layers=self.num_model_layers, lengths=lengths[layer],
@@ -518,7 +513,7 @@ class KVCompWorker:
         # the first compaction a failure serves the request uncompressed: it is not read again)
         keep = state.pages.compressed or self._copies(state, sched)
         try:
-            decision = self._decide(state, torch.tensor(sched.block_ids, dtype=torch.long), end, decode,
+            decision = self.decide(state, torch.tensor(sched.block_ids, dtype=torch.long), end, decode,
                                     copy.deepcopy(state.policy_state) if keep else state.policy_state)
         except (ValueError, RuntimeError, MemoryError) as err:  # nothing was moved yet: keep serving
             if (kind := failure_kind(err)) is None:
@@ -542,7 +537,7 @@ class KVCompWorker:
                          end: int, decode: bool) -> Decision:
         """Off the step: the decision, and its packing planned where the spares it was sent suffice
         (the switch then only moves the cells)."""
-        decision = self._decide(frozen, block_ids, end, decode, frozen.policy_state)
+        decision = self.decide(frozen, block_ids, end, decode, frozen.policy_state)
         mine = self._spares_needed(frozen, decision) if self._copies(frozen, sched) else 0
         if mine <= len(sched.spares):  # as _plan_compaction picks them (one rank: no collective)
             destination = self._last_spares(sched, mine)
@@ -571,7 +566,7 @@ class KVCompWorker:
         self.offload.adopt(decision, self.cache.device)
         self._switch(rid, state, sched, decision, sched.num_computed, started)
 
-    def _decide(self, state: CompressedRequest, block_ids: torch.Tensor, end: int, decode: bool,
+    def decide(self, state: CompressedRequest, block_ids: torch.Tensor, end: int, decode: bool,
                 policy_state: RequestState) -> Decision:
         """The policy's selection at ``end`` tokens, deciding into ``policy_state``. Reads the
         cache, writes nothing (safe off the step: see :mod:`~vllm_kvcomp.engine.offload`)."""
@@ -618,6 +613,8 @@ class KVCompWorker:
         state.longest_base = plan.longest_base
         if state.observed is not None:  # the policy holds what was observed, by position
             state.observed.restart(now)
+        if state.lifecycle.phase is Phase.DECODE and not state.reads_queries:  # no later decision
+            state.window.release()  # reads what the window holds now (prefill chunks may)
         state.policy_state.compressions += 1
         in_step = time.perf_counter() - started
         event = dataclasses.replace(plan.event, seconds=decision.seconds + in_step, step_seconds=in_step,

@@ -133,7 +133,7 @@ def prepare(args: argparse.Namespace, vllm_defaults: dict[str, Any], on_cpu: boo
     if args.kv_transfer_config is None:
         args.kv_transfer_config = KVTransferConfig(**kv_transfer_config(
             dict(operator.profiles) or None, long_prompts=args.allow_prompts_beyond_kv_cache,
-            compression_lag=args.compression_lag))
+            compression_lag=args.compression_lag, max_window=operator.bounds.max_window))
     elif args.kv_transfer_config.kv_connector != CONNECTOR_NAME:
         raise ValueError(
             f"--kv-transfer-config: kv_connector is {args.kv_transfer_config.kv_connector!r}; "
