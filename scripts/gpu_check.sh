@@ -7,6 +7,8 @@
 #   tests.txt, tests.xml  pytest on CUDA tensors (the Triton kernels compiled, the extension, CUDA graphs,
 #                         every policy deciding on the device)
 #   bench_kernels.md/json `vllm-kvcomp bench kernels --device cuda` (decode, pages, compact, decide)
+#   bench_memory.md       `vllm-kvcomp bench memory --device cuda` at Llama-3.1-8B shapes: the peak one
+#                         compression holds outside the KV pool vs the bound the engine reserves
 # Usage: bash scripts/gpu_check.sh [extra bench arguments]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,4 +50,9 @@ echo "== bench kernels =="
 "$PY" -m vllm_kvcomp.bench.kernels --device cuda --out "$OUT/bench_kernels.md" \
   --json "$OUT/bench_kernels.json" "$@" > "$OUT/bench.log" 2>&1 || status=1
 tail -60 "$OUT/bench.log"
+
+echo "== bench memory (Llama-3.1-8B shapes) =="
+"$PY" -m vllm_kvcomp.bench.memory --device cuda --layers 32 --kv-heads 8 --group 4 --head-dim 128 \
+  --block-size 16 --lengths 8192,32768 --widest --out "$OUT/bench_memory.md" > "$OUT/bench_memory.log" 2>&1 || status=1
+tail -30 "$OUT/bench_memory.log"
 exit $status

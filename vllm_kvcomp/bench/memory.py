@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     policies = [(label, _widest(p, args.window) if args.widest else p)
                 for label, p in decide_policies(policy_args) if label != "full"]
     lengths = [int(x) for x in args.lengths.split(",")]
-    gen = torch.Generator().manual_seed(3)
+    gen = torch.Generator(device=dev).manual_seed(3)
     table = [f"Shapes: {nl} layers, {hk} KV heads, {hq} query heads, D={d}, {dtype}, block {bs}, "
              f"ratio {args.ratio:g}, device {dev}; bound for a window of {args.window}"
              + ("; every policy that reads queries at that window." if args.widest else
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     worst = 0.0
     for n in lengths:
         blocks = -(-n // bs)
-        storage = torch.randn(nl, 2 * blocks + 1, hk, bs, 2 * d, generator=gen).to(dev, dtype)
+        storage = torch.randn(nl, 2 * blocks + 1, hk, bs, 2 * d, generator=gen, device=dev, dtype=dtype)
         names = [f"model.layers.{i}.self_attn.attn" for i in range(nl)]
         bound = PluginMemory.bound(Shapes(nl, hk, hq, d, storage.element_size(), n, bs, args.window,
                                           host=dev == "cpu"))
@@ -107,14 +107,15 @@ def run(args: argparse.Namespace) -> int:
             worker.register({name: storage[i] for i, name in enumerate(names)}, {name: i for i, name in enumerate(names)},
                             CpuPagedCache if dev == "cpu" else CudaPagedCache,
                             {name: AttentionVariant(scale=d**-0.5) for name in names}, nl,
-                            {name: torch.randn(hq * d, hq * d, generator=gen).to(dev, dtype) * d**-0.5 for name in names})
+                            {name: torch.randn(hq * d, hq * d, generator=gen, device=dev, dtype=dtype) * d**-0.5
+                             for name in names})
             worker.configure_offload(0)
             w = policy.queries_needed()
             state = CompressedRequest(spec=CompressionSpec(), policy=policy, pages=RequestPages(worker.cache.geometry),
                                       policy_state=RequestState(prompt_len=n), window=QueryWindow(w),
                                       compensation=[None] * nl)
             if w:
-                state.window.push(torch.randn(w, nl, hq, d, generator=gen).to(dev, dtype), n - w)
+                state.window.push(torch.randn(w, nl, hq, d, generator=gen, device=dev, dtype=dtype), n - w)
             block_ids = torch.arange(blocks + 1)
             decided: list = []
             decide = peak_bytes(functools.partial(_decide, worker, state, block_ids, n, decided), dev)
