@@ -7,10 +7,11 @@ the step or on the one side thread; packings only on the step's thread):
   (:class:`~vllm_kvcomp.engine.cache.LayerReader`): that layer's K+V as read and right-aligned
   (two copies), plus on the host the keys' gather buffer; and the layer a policy still holds
   while it reads the next (twice that);
-- ``per_cell``: host arrays per (layer, KV head, token) of the request: a decision's float32
-  scores, observed attention and rankings for every layer until it allocates (four per cell),
-  and a packing plan's int64 indices (source and destination page, offset and row: six per
-  cell), about an eighth of the request's K+V;
+- ``per_cell``: arrays per (layer, KV head, token) of the request: a decision's float32 scores,
+  observed attention and rankings for every layer until it allocates (four per cell, where the
+  cache is), and a packing's int64 indices (on the host its plan's source and destination page,
+  offset and row: six per cell; on a GPU the source and destination rows it sends: two), about
+  an eighth (host) or a sixteenth (GPU, 16-bit K/V of 128 dimensions) of the request's K+V;
 - ``window_attention``: one layer's attention of the query window over the request, which
   policies attend ``WINDOW_ROWS`` queries at a time (``H_q × rows × tokens`` float32: the
   logits, the weights and one temporary);
@@ -37,8 +38,9 @@ from vllm_kvcomp.policies.base import WINDOW_ROWS
 #: the widest query window a request may ask for when the connector is not told
 #: (the operator config's ``bounds.max_window`` default)
 DEFAULT_MAX_WINDOW = 512
-#: bytes per (layer, KV head, token) of a request a compression keeps for every layer (see the module doc)
-BYTES_PER_CELL = 4 * 4 + 6 * 8
+#: bytes per (layer, KV head, token) of a request a compression keeps for every layer, on the host
+#: and on a GPU (see the module doc)
+BYTES_PER_CELL = {True: 4 * 4 + 6 * 8, False: 4 * 4 + 2 * 8}
 #: most cells a packing copies through one buffer
 MOVE_CHUNK = 16384
 
@@ -81,7 +83,7 @@ class PluginMemory:
         tokens = s.max_len * s.num_kv_heads * s.num_layers
         return cls(
             layer_read=2 * (2 * layer + gather),
-            per_cell=BYTES_PER_CELL * tokens,
+            per_cell=BYTES_PER_CELL[s.host] * tokens,
             window_attention=3 * 4 * s.num_q_heads * min(s.max_window, WINDOW_ROWS) * s.max_len,
             packing=MOVE_CHUNK * 2 * s.head_dim * s.elem_bytes,
             per_request=2 * s.max_window * s.num_layers * s.num_q_heads * s.head_dim * s.elem_bytes,

@@ -514,7 +514,7 @@ class KVCompWorker:
         keep = state.pages.compressed or self._copies(state, sched)
         try:
             decision = self.decide(state, torch.tensor(sched.block_ids, dtype=torch.long), end, decode,
-                                    copy.deepcopy(state.policy_state) if keep else state.policy_state)
+                                   copy.deepcopy(state.policy_state) if keep else state.policy_state)
         except (ValueError, RuntimeError, MemoryError) as err:  # nothing was moved yet: keep serving
             if (kind := failure_kind(err)) is None:
                 raise
@@ -567,7 +567,7 @@ class KVCompWorker:
         self._switch(rid, state, sched, decision, sched.num_computed, started)
 
     def decide(self, state: CompressedRequest, block_ids: torch.Tensor, end: int, decode: bool,
-                policy_state: RequestState) -> Decision:
+               policy_state: RequestState) -> Decision:
         """The policy's selection at ``end`` tokens, deciding into ``policy_state``. Reads the
         cache, writes nothing (safe off the step: see :mod:`~vllm_kvcomp.engine.offload`)."""
         if not decode:

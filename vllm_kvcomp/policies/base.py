@@ -575,7 +575,7 @@ def window_attention(kv: LayerKV) -> torch.Tensor:
 
 #: window queries attended at once where a policy wants only sums over them: one layer's
 #: attention then takes ``H_q × WINDOW_ROWS × N`` float32 whatever the window (``engine/memory.py``)
-WINDOW_ROWS = 64
+WINDOW_ROWS = 32  # the policies' default windows (32) stay one run
 
 
 def window_chunks(kv: LayerKV) -> list[LayerKV]:
