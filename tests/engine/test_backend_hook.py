@@ -33,7 +33,7 @@ from vllm_kvcomp.engine.backends.common import KVCompAttentionMixin, trim_rows
 from vllm_kvcomp.engine.cache import AttentionVariant, CudaPagedCache
 from vllm_kvcomp.engine.connector import KVCompConnector, paged_cache
 from vllm_kvcomp.engine.metadata import ScheduledRequest, StepMetadata
-from vllm_kvcomp.engine.plugin import backend_overrides
+from vllm_kvcomp.engine.support import backend_overrides
 from vllm_kvcomp.engine.worker import KVCompWorker
 from vllm_kvcomp.policies.base import Compensation
 from vllm_kvcomp.spec import CompressionSpec

@@ -7,6 +7,7 @@ import functools
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from vllm_kvcomp import vllm_compat
 from vllm_kvcomp.engine import plugin
@@ -109,3 +110,23 @@ def test_a_gpu_workers_kv_budget_leaves_out_what_kvcomp_reserves(monkeypatch):
     assert Worker.determine_available_memory(worker(plugin.CONNECTOR_NAME)) == 7 << 30
     assert Worker.determine_available_memory(worker("OffloadingConnector")) == 10 << 30
     assert Worker.determine_available_memory(worker(plugin.CONNECTOR_NAME, 5 << 30)) == 10 << 30
+
+
+def test_the_reservation_is_kvcomps_bound_only_where_the_engine_can_compress():
+    """An engine whose config already rules compression out (MLA here) reserves nothing."""
+    from vllm_kvcomp.engine.memory import PluginMemory, shapes_of
+
+    def engine(use_mla: bool, connector: str = plugin.CONNECTOR_NAME) -> SimpleNamespace:
+        cfg = config(connector)
+        cfg.model_config = SimpleNamespace(
+            use_mla=use_mla, hf_text_config=SimpleNamespace(), dtype=torch.bfloat16, max_model_len=4096,
+            get_num_layers=lambda p: 4, get_num_kv_heads=lambda p: 2, get_num_attention_heads=lambda p: 8,
+            get_head_size=lambda: 64)
+        cfg.parallel_config, cfg.speculative_config = SimpleNamespace(), None
+        cfg.cache_config = SimpleNamespace(cache_dtype="auto", block_size=16)
+        cfg.device_config = SimpleNamespace(device_type="cuda")
+        return cfg
+
+    assert plugin.reserved_bytes(engine(False)) == PluginMemory.bound(shapes_of(engine(False))).reserved > 0
+    assert plugin.reserved_bytes(engine(True)) == 0
+    assert plugin.reserved_bytes(engine(False, "OffloadingConnector")) == 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import vllm_kvcomp.vllm_compat as vllm_compat  # not `from vllm_kvcomp import`: the package imports us
+from vllm_kvcomp.engine import support
 
 CONNECTOR_NAME = "KVCompConnector"
 CONNECTOR_MODULE = "vllm_kvcomp.engine.connector"
@@ -33,7 +34,7 @@ COMPOSED = (f"vllm-kvcomp's {CONNECTOR_NAME} cannot be a child of vLLM's MultiCo
 
 def register_with_vllm() -> None:
     vllm_compat.register_connector_once(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)
-    for name, path in backend_overrides(vllm_compat.platform_kind()).items():
+    for name, path in support.backend_overrides(vllm_compat.platform_kind()).items():
         vllm_compat.register_attention_backend(name, path)
     vllm_compat.allow_max_model_len_beyond_kv_cache(long_prompts_allowed)
     vllm_compat.refuse_composition(CONNECTOR_NAME, COMPOSED)
@@ -43,9 +44,10 @@ def register_with_vllm() -> None:
 
 
 def reserved_bytes(vllm_config: Any) -> int:
-    """What a GPU worker of this engine takes from vLLM's KV budget for kvcomp (0 without the
-    kvcomp connector): :class:`~vllm_kvcomp.engine.memory.PluginMemory`'s reservation."""
-    if not uses_kvcomp(vllm_config):
+    """What a GPU worker of this engine takes from vLLM's KV budget for kvcomp:
+    :class:`~vllm_kvcomp.engine.memory.PluginMemory`'s reservation; 0 without the kvcomp
+    connector, or where its config already says the engine cannot compress (MLA, draft models)."""
+    if not uses_kvcomp(vllm_config) or support.unavailable_reason(vllm_config) is not None:
         return 0
     from vllm_kvcomp.engine.memory import PluginMemory, shapes_of
 
@@ -70,19 +72,6 @@ def long_prompts_allowed(vllm_config: Any) -> bool:
     transfer = getattr(vllm_config, "kv_transfer_config", None)
     extra = getattr(transfer, "kv_connector_extra_config", None) or {}
     return getattr(transfer, "kv_connector", None) == CONNECTOR_NAME and bool(extra.get("long_prompts"))
-
-
-def backend_overrides(platform: str | None) -> dict[str, str]:
-    """vLLM backend name -> our subclass (import path, loaded lazily by vLLM) on ``platform``."""
-    prefix = "vllm_kvcomp.engine.backends"
-    if platform == "cpu":
-        return {"CPU_ATTN": f"{prefix}.cpu.KVCompCPUAttentionBackend"}
-    if platform == "cuda":
-        return {
-            "FLASH_ATTN": f"{prefix}.flash_attn.KVCompFlashAttentionBackend",
-            "TRITON_ATTN": f"{prefix}.triton_attn.KVCompTritonAttentionBackend",
-        }
-    return {}
 
 
 def kv_transfer_config(profiles: dict[str, str] | None = None, long_prompts: bool = False,

@@ -20,13 +20,25 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_kvcomp import vllm_compat
-from vllm_kvcomp.engine.plugin import backend_overrides
+import vllm_kvcomp.vllm_compat as vllm_compat  # not `from vllm_kvcomp import`: the package imports plugin, which imports us
 
 #: speculative methods that verify drafts on the target model alone (no draft model, no draft KV):
 #: a compressed request's step then has several query tokens over its packed pages, and the
 #: rejected ones are rolled back (see :mod:`~vllm_kvcomp.engine.lifecycle`)
 TARGET_ONLY_SPECULATION = ("ngram", "suffix")
+
+
+def backend_overrides(platform: str | None) -> dict[str, str]:
+    """vLLM backend name -> our subclass (import path, loaded lazily by vLLM) on ``platform``."""
+    prefix = "vllm_kvcomp.engine.backends"
+    if platform == "cpu":
+        return {"CPU_ATTN": f"{prefix}.cpu.KVCompCPUAttentionBackend"}
+    if platform == "cuda":
+        return {
+            "FLASH_ATTN": f"{prefix}.flash_attn.KVCompFlashAttentionBackend",
+            "TRITON_ATTN": f"{prefix}.triton_attn.KVCompTritonAttentionBackend",
+        }
+    return {}
 
 
 def unavailable_reason(vllm_config: Any) -> str | None:
