@@ -30,3 +30,4 @@ def test_the_table_gives_each_policy_and_length_against_the_bound(tmp_path):
     assert [(r[0].strip(), int(r[1])) for r in rows] == [("snapkv", 256), ("knorm", 256), ("snapkv", 512),
                                                          ("knorm", 512)]
     assert all(float(r[5]) > 0 for r in rows) and "Largest peak / bound" in out.read_text()
+    assert "](bench_memory.png)" in out.read_text() and out.with_suffix(".png").stat().st_size > 0

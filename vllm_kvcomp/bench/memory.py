@@ -94,13 +94,13 @@ def run(args: argparse.Namespace) -> int:
              "| policy | N | decide | pack in place | pack to spares | peak / bound | bound | whole K+V |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     print("\n".join(table), flush=True)
-    worst = 0.0
+    worst, points = 0.0, []
     for n in lengths:
         blocks = -(-n // bs)
         storage = torch.randn(nl, 2 * blocks + 1, hk, bs, 2 * d, generator=gen, device=dev, dtype=dtype)
         names = [f"model.layers.{i}.self_attn.attn" for i in range(nl)]
-        bound = PluginMemory.bound(Shapes(nl, hk, hq, d, storage.element_size(), n, bs, args.window,
-                                          host=dev == "cpu"))
+        shapes = Shapes(nl, hk, hq, d, storage.element_size(), n, bs, args.window, host=dev == "cpu")
+        bound = PluginMemory.bound(shapes)
         whole = 2 * nl * hk * n * d * storage.element_size()
         for label, policy in policies:
             worker = KVCompWorker(block_size=bs, policy_builder=CompressionSpec.build_policy)
@@ -130,13 +130,61 @@ def run(args: argparse.Namespace) -> int:
                              if decision.compacts else 0)
             peak = max(decide, *packs)
             worst = max(worst, peak / bound.reserved)
+            points.append(Point(label, n, decide, max(packs), bound.reserved, shapes.layer_kv(), whole))
             table.append(f"| {label} | {n} | {_mib(decide)} | {_mib(packs[0])} | {_mib(packs[1])} | "
                          f"{peak / bound.reserved:.2f} | {_mib(bound.reserved)} | {_mib(whole)} |")
             print(table[-1], flush=True)
     table += ["", f"Largest peak / bound: {worst:.2f} (target <= 1). MiB = 2^20 bytes. The bound's parts at the "
               f"last length: {bound.describe()}."]
+    if args.out is not None:
+        image = plot(points, args.out.with_suffix(".png"))
+        table += ["", f"![peak of each policy's decision and packing against the bound]({image.name})"]
     write_report(args.out, args.command, "\n".join(table))
     return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    """One policy at one length: its peaks and the lines they are read against (bytes)."""
+
+    label: str
+    n: int
+    decide: int
+    pack: int  # the larger of in place and into spares
+    bound: int
+    layer_kv: int
+    whole: int
+
+
+def plot(points: list[Point], path: Path) -> Path:
+    """One PNG, a panel per length: each policy's decision and packing peaks (MiB) against the
+    bound, one layer's K+V and the request's whole K+V."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = sorted({p.n for p in points})
+    labels = list(dict.fromkeys(p.label for p in points))
+    fig, axes = plt.subplots(1, len(lengths), figsize=(6 * len(lengths), 0.32 * len(labels) + 1.6), squeeze=False)
+    for ax, n in zip(axes[0], lengths):
+        mine = {p.label: p for p in points if p.n == n}
+        rows = range(len(labels))
+        ax.barh([r - 0.2 for r in rows], [mine[x].decide / 2**20 for x in labels], height=0.4, label="decision")
+        ax.barh([r + 0.2 for r in rows], [mine[x].pack / 2**20 for x in labels], height=0.4, label="packing")
+        first = mine[labels[0]]
+        for value, style, name in ((first.bound, "-", "bound (reserved)"), (first.layer_kv, ":", "one layer's K+V"),
+                                   (first.whole, "--", "the request's whole K+V")):
+            ax.axvline(value / 2**20, color="k", linestyle=style, label=name)
+        ax.set_yticks(list(rows), labels, fontsize=8)
+        ax.invert_yaxis()
+        ax.set(title=f"N = {n}", xlabel="MiB")
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
 
 
 def _widest(policy, window: int):
