@@ -44,7 +44,8 @@ from vllm_kvcomp import vllm_compat
 from vllm_kvcomp.engine import support
 from vllm_kvcomp.engine.cache import CudaPagedCache
 from vllm_kvcomp.engine.connector import paged_cache
-from vllm_kvcomp.engine.plugin import backend_overrides, kv_transfer_config, register_with_vllm
+from vllm_kvcomp.engine.plugin import kv_transfer_config, register_with_vllm
+from vllm_kvcomp.engine.support import backend_overrides
 from vllm_kvcomp.server import cli
 
 ROOT = Path(__file__).resolve().parents[2]
