@@ -8,7 +8,7 @@ from vllm_kvcomp.bench import memory
 
 
 def test_the_peak_is_what_was_held_at_once_above_what_was_held_before():
-    held = torch.empty(1 << 20)  # 4 MiB allocated before: not counted
+    _held = torch.empty(1 << 20)  # 4 MiB allocated before (alive throughout): not counted
 
     def work() -> None:
         a = torch.empty(1 << 20)  # 4 MiB, then 2 MiB more while it lives: 6 MiB at once
@@ -17,7 +17,6 @@ def test_the_peak_is_what_was_held_at_once_above_what_was_held_before():
         torch.empty(1 << 18)  # after they are freed: 1 MiB, below the peak
 
     assert memory.peak_bytes(work, "cpu") == 6 << 20
-    assert held.numel()
 
 
 def test_the_table_gives_each_policy_and_length_against_the_bound(tmp_path):

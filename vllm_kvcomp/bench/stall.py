@@ -209,17 +209,18 @@ def _run_server(args: argparse.Namespace) -> int:
     labels = ["full", *(p.strip() for p in args.policies.split(",") if p.strip() and p.strip() != "full")]
     floors = feasible_ratios(resolve_model(args.model), [label.partition(":")[0] for label in labels], [args.ratio])
     rows, lags = [], [value.strip() for value in args.compression_lag.split(",") if value.strip()]
-    blocks = (args.streams + 2) * (-(-(max(lengths) + args.decode_tokens + 64) // 32) + 1)
+    max_len = max(lengths) + args.decode_tokens + 64
+    blocks = (args.streams + 2) * (-(-max_len // 32) + 1)
     for lag in lags:
         log = Path(tempfile.gettempdir()) / f"kvcomp-stall-server-{lag}.log"
-        with served(args.model, blocks, args.streams + 2, max(lengths) + args.decode_tokens + 64, log,
+        with served(args.model, blocks, args.streams + 2, max_len, log,
                     ["--compression-lag", lag], chunk=args.chunk) as url:
             for n in lengths:
                 for label in labels if lag == lags[0] else labels[1:]:
                     policy, _, settings = label.partition(":")
                     header = header_for(policy, floors.get(policy, [args.ratio])[0], settings.replace(",", ";"))
                     shown = label if label == "full" or len(lags) == 1 else f"{label}, lag {lag}"
-                    rows.append(asyncio.run(_gaps(url, served_name(args.model), args, shown, n, header)))
+                    rows.append(asyncio.run(_gaps(url, served_name(args.model), args, shown, n, header, max_len)))
                     print(f"{shown:32s} {n:6d}: streams' longest gap {rows[-1].longest / rows[-1].median:.2f}x "
                           f"their median ({1e3 * rows[-1].median:.1f} ms)", flush=True)
     body = _server_report(args, rows)
@@ -241,15 +242,15 @@ def _server_report(args: argparse.Namespace, rows: list[Gaps]) -> str:
     return "\n".join(lines)
 
 
-async def _gaps(url: str, model: str, args: argparse.Namespace, label: str, n: int, header: str | None) -> Gaps:
+async def _gaps(url: str, model: str, args: argparse.Namespace, label: str, n: int, header: str | None,
+                max_len: int) -> Gaps:
     import httpx
 
     from vllm_kvcomp.bench.serving import Stream, prompts, stream_completion
 
     async with httpx.AsyncClient(timeout=None) as client:
-        longest = max(int(x) for x in args.lengths.split(",") if x.strip()) + args.decode_tokens + 64  # max_model_len
         records = [Stream(sent=time.perf_counter()) for _ in range(args.streams)]
-        streams = [asyncio.create_task(stream_completion(client, url, model, prompt, longest - STREAM_PROMPT, None,
+        streams = [asyncio.create_task(stream_completion(client, url, model, prompt, max_len - STREAM_PROMPT, None,
                                                          into=record))
                    for prompt, record in zip(prompts(args.streams, STREAM_PROMPT, n), records)]
         while not all(len(record.token_times) > 8 for record in records):  # every stream decoding

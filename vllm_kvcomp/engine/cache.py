@@ -575,3 +575,7 @@ class LayerReader:
         aligned = tuple(None if x is None else right_aligned(x, self.lengths[layer], width) for x in read)
         self._last = (layer, aligned)
         return aligned
+
+    def part(self, layer: int, which: int) -> torch.Tensor:
+        """Keys (``which`` 0) or values (1) of ``layer``."""
+        return self.layer(layer)[which]

@@ -33,6 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+import torch
+
 from vllm_kvcomp.policies.base import WINDOW_ROWS
 
 #: the widest query window a request may ask for when the connector is not told
@@ -105,8 +107,6 @@ def _mib(nbytes: int) -> str:
 def shapes_of(vllm_config: Any) -> Shapes:
     """:class:`Shapes` of one rank of the engine ``vllm_config`` describes (every layer counted: a
     hybrid model compresses fewer, so this is an upper bound)."""
-    import torch
-
     model, parallel, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     dtype = cache.cache_dtype if isinstance(cache.cache_dtype, torch.dtype) else model.dtype
     extra = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {}

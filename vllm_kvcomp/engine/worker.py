@@ -94,11 +94,6 @@ class CompactionPlan:
     event: CompressionEvent
 
 
-def _part(reader: LayerReader, layer: int, part: int) -> torch.Tensor:
-    """Keys (0) or values (1) of ``layer`` from ``reader``."""
-    return reader.layer(layer)[part]
-
-
 class KVCompWorker:
     """Worker-side state for every tracked request of this worker."""
 
@@ -455,8 +450,8 @@ class KVCompWorker:
             queries = None if window.queries is None else window.queries[:, layer].transpose(0, 1)
             if reads:
                 shape = (lengths.shape[1], width, self.cache.head_dim)
-                keys = Deferred(functools.partial(_part, reader, layer, 0), shape)
-                values = Deferred(functools.partial(_part, reader, layer, 1), shape) if reader.values else None
+                keys = Deferred(functools.partial(reader.part, layer, 0), shape)
+                values = Deferred(functools.partial(reader.part, layer, 1), shape) if reader.values else None
             else:
                 keys, values = unread.expand(lengths.shape[1], width, self.cache.head_dim), None
             seen = None

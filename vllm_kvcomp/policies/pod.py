@@ -207,11 +207,10 @@ class POD(Policy):
         over the distant tokens averaged over the window queries [H_q, N], the window attended
         ``WINDOW_ROWS`` queries at a time (one layer's ``[H_q, rows, N]`` held, whatever the window)."""
         _, distant = self._split(anchor)
+        hidden = ~distant.repeat_interleave(_group_size(anchor), 0).unsqueeze(1).to(anchor.queries.device)
         parts, lses, mass = window_chunks(anchor), [], None
         for part in parts:
-            logits = window_logits(part)
-            d_mask = distant.repeat_interleave(_group_size(anchor), 0).unsqueeze(1).to(logits.device)
-            d_logits = logits.masked_fill_(~d_mask, float("-inf"))
+            d_logits = window_logits(part).masked_fill_(hidden, float("-inf"))
             lses.append(d_logits.logsumexp(-1))  # [H_q, rows]
             probs = torch.softmax(d_logits, -1).nan_to_num(0.0)  # eq. 3 distant softmax
             if len(parts) == 1:
@@ -224,12 +223,9 @@ class POD(Policy):
         """(skip [H_kv]: the head drops its distant tokens, scores [H_kv, N] by the group's anchor)."""
         proximal, _ = self._split(kv)
         group = _group_size(kv)
-        lses = []
-        for part in window_chunks(kv):
-            logits = window_logits(part)
-            p_mask = proximal.repeat_interleave(group, 0).unsqueeze(1).to(logits.device)
-            lses.append(logits.masked_fill_(~p_mask, float("-inf")).logsumexp(-1))
-        lse_proximal = torch.cat(lses, dim=1)  # [H_q, w]
+        hidden = ~proximal.repeat_interleave(group, 0).unsqueeze(1).to(kv.queries.device)
+        lse_proximal = torch.cat([window_logits(part).masked_fill_(hidden, float("-inf")).logsumexp(-1)
+                                  for part in window_chunks(kv)], dim=1)  # [H_q, w]
         gate = pod_gate(lse_proximal, lse_distant).mean(1)  # [H_q]
         skip = (gate >= self.tau).view(kv.num_kv_heads, group).all(1).cpu()  # [H_kv]
         positions = kv.slot_positions()
