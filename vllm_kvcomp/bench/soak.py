@@ -31,7 +31,10 @@ cache is hit, shared by running requests, and copy-on-compress runs. Every ``--s
 RSS of the API server, the engine core and its workers, vLLM's KV usage, running / waiting /
 preemption counts and the ``vllm:kvcomp_*`` gauges; per request the status, TTFT, inter-token
 gaps and usage. ``--baseline`` then runs the same soak with full cache only (``none`` and
-``policy=full``) on a fresh server, so the report can say what RSS noise is. ``--trim-at-idle``
+``policy=full``) on a fresh server, so the report can say what RSS noise is; ``--plain`` runs the
+same load without any compression setting on vLLM's own server without the plugin (only the
+malformed requests vLLM refuses itself), so it can say what vLLM's own memory does. Every server
+gets the same cores (:data:`SERVER_ENV`). ``--trim-at-idle``
 makes every server process give its free heap back at each idle point (glibc ``malloc_trim``
 through gdb) and records RSS again: glibc keeps freed memory of varying-size tensors mapped
 (its high-water mark rises in steps), so only the trimmed readings tell a leak from retention. The report goes to
@@ -39,6 +42,7 @@ through gdb) and records RSS again: glibc keeps freed memory of varying-size ten
 
 ::
 
+    vllm-kvcomp bench soak --plain --trim-at-idle --duration 3600 --idle-every 900   # 2 x 1 hour
     vllm-kvcomp bench soak --baseline --trim-at-idle --out docs/results/soak.md   # 2 x 20 minutes
     vllm-kvcomp bench soak --policies none --duration 600               # full cache only
 """
@@ -93,8 +97,13 @@ PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 SAVED, HELD, UNCOMPRESSED = "vllm:kvcomp_saved_blocks", "vllm:kvcomp_held_blocks", "vllm:kvcomp_uncompressed_blocks"
 COMPRESSED_TOTAL = "vllm:kvcomp_requests_compressed_total"
 FREED_TOTAL = "vllm:kvcomp_blocks_freed_total"
+RESERVED = "vllm:kvcomp_reserved_bytes"
 METRICS = (USAGE, RUNNING, WAITING, PREEMPTIONS, PREFIX_HITS, PREFIX_QUERIES, SAVED, HELD, UNCOMPRESSED,
-           COMPRESSED_TOTAL, FREED_TOTAL)
+           COMPRESSED_TOTAL, FREED_TOTAL, RESERVED)
+#: every server of a soak gets the same cores: vLLM's CPU backend otherwise reserves one more
+#: core for the engine when a KV connector (the plugin) is set
+SERVER_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+PLAIN = "plain"  # the run on vLLM's own server, without the plugin
 #: process name prefix (vLLM sets the titles) -> role in the RSS samples
 ROLES = {"VLLM::EngineCore": "engine", "VLLM::Worker": "worker"}
 
@@ -112,6 +121,7 @@ class Malformed:
     body: dict[str, Any] = field(default_factory=dict)  # merged into a small completions body
     raw: str | None = None  # sent as the body instead of JSON
     prompt_tokens: int = 16
+    native: bool = False  # vLLM refuses it itself (a server without the plugin answers 400 too)
 
 
 @dataclass(frozen=True)
@@ -181,9 +191,9 @@ def malformed_cases(policies: Sequence[str], max_len: int) -> list[Malformed]:
         unknown += "x"
     cases = [Malformed("unknown policy", header=f"policy={unknown}"),
              Malformed("ratio without a policy", header="ratio=0.5"),
-             Malformed("body not JSON", raw="{not json"),
-             Malformed("max_tokens negative", body={"max_tokens": -1}),
-             Malformed("prompt over the model length", prompt_tokens=max_len + 1)]
+             Malformed("body not JSON", raw="{not json", native=True),
+             Malformed("max_tokens negative", body={"max_tokens": -1}, native=True),
+             Malformed("prompt over the model length", prompt_tokens=max_len + 1, native=True)]
     for name in policies:
         if name in NO_COMPRESSION_WORDS:
             continue
@@ -210,9 +220,10 @@ class Drawer:
 
     def __init__(self, seed: int, labels: Sequence[str], ratios: Sequence[float], prompt: tuple[int, int],
                  output: tuple[int, int], max_len: int, shares: Shares | None = None,
-                 label_ratios: Mapping[str, Sequence[float]] | None = None):
+                 label_ratios: Mapping[str, Sequence[float]] | None = None, native_only: bool = False):
         """``label_ratios``: a policy's own ratios where the server refuses some of ``ratios`` (razor's
-        profile), else ``ratios``."""
+        profile), else ``ratios``; ``native_only``: only the malformed requests vLLM itself refuses
+        (for a server without the plugin)."""
         if not labels:
             raise ValueError("no policy to draw from")
         self.rng = random.Random(seed)
@@ -222,7 +233,8 @@ class Drawer:
         self.streaming = set(streaming_policy_names())
         kinds: dict[str, list[Malformed]] = {}
         for case in malformed_cases(POLICY_NAMES, max_len):
-            kinds.setdefault(case.kind, []).append(case)
+            if case.native or not native_only:
+                kinds.setdefault(case.kind, []).append(case)
         self.malformed = kinds
         # shared documents: at most half the longest prompt, so a unique tail always fits after one
         self.doc_tokens = [log_uniform(self.rng, prompt[0], max(prompt[0], prompt[1] // 2)) for _ in range(SHARED_DOCS)]
@@ -358,10 +370,16 @@ class Result:
         return (self.status or 0) >= 500 or (self.stream_error or 0) >= 500
 
 
-def check_answer(draw: Draw, result: Result) -> str:
+def check_answer(draw: Draw, result: Result, plugin: bool = True) -> str:
     """What is wrong with a complete 200 answer ('' when nothing): the applied spec, the usage
-    extension and the output length must be the ones asked for."""
+    extension and the output length must be the ones asked for (``plugin`` False: a server
+    without the plugin, which must send neither)."""
     expected = draw.label if draw.compressed else "full"
+    completion = result.usage.get("completion_tokens")
+    if completion is not None and completion != draw.max_tokens:
+        return f"completion_tokens {completion} for max_tokens {draw.max_tokens} with ignore_eos"
+    if not plugin:
+        return f"{APPLIED} {result.applied!r} from a server without the plugin" if result.applied or result.kvc else ""
     if result.applied is None:
         return f"no {APPLIED} header"
     if (result.applied == "none") != (expected == "full") or (
@@ -373,13 +391,10 @@ def check_answer(draw: Draw, result: Result) -> str:
         return "no kv_compression numbers in the response"
     if result.kvc.get("policy") != expected:
         return f"kv_compression.policy {result.kvc.get('policy')!r} for a request of {expected}"
-    completion = result.usage.get("completion_tokens")
-    if completion is not None and completion != draw.max_tokens:
-        return f"completion_tokens {completion} for max_tokens {draw.max_tokens} with ignore_eos"
     return ""
 
 
-def classify(draw: Draw, result: Result, body_text: str) -> None:
+def classify(draw: Draw, result: Result, body_text: str, plugin: bool = True) -> None:
     """Set ``result.outcome`` (and its error text) once the exchange is over."""
     if draw.malformed is not None:
         result.outcome = "rejected" if result.status == 400 else "error"
@@ -394,7 +409,7 @@ def classify(draw: Draw, result: Result, body_text: str) -> None:
     elif result.aborted:
         result.outcome = "aborted"
     else:
-        problem = check_answer(draw, result)
+        problem = check_answer(draw, result, plugin)
         result.outcome, result.error = ("error", f"check: {problem}") if problem else ("ok", "")
 
 
@@ -434,8 +449,10 @@ async def _read_stream(response: Any, draw: Draw, result: Result, start: float) 
     return ""
 
 
-async def send(client: Any, url: str, model: str, draw: Draw, prompts: Prompts, result: Result) -> None:
-    """Send one drawn request and fill ``result``; never raises for what the server does."""
+async def send(client: Any, url: str, model: str, draw: Draw, prompts: Prompts, result: Result,
+               plugin: bool = True) -> None:
+    """Send one drawn request and fill ``result`` (``plugin`` False: the server runs without the
+    plugin); never raises for what the server does."""
     import httpx
 
     path, headers, body, raw = request_parts(draw, model, prompts)
@@ -457,7 +474,7 @@ async def send(client: Any, url: str, model: str, draw: Draw, prompts: Prompts, 
     except json.JSONDecodeError as err:
         result.outcome, result.error = "error", f"answer not JSON: {err}"
     result.latency = time.monotonic() - start
-    classify(draw, result, text)
+    classify(draw, result, text, plugin)
 
 
 # ---------------------------------------------------------------------------- the server's processes
@@ -555,6 +572,7 @@ class Soak:
     drawer: Drawer
     prompts: Prompts
     processes: ServerProcesses
+    plugin: bool = True  # False: vLLM's own server, without the plugin
     t0: float = field(default_factory=time.monotonic)
     gate: asyncio.Event = field(default_factory=asyncio.Event)
     client: Any = None
@@ -605,7 +623,7 @@ async def _client(soak: Soak, until: float, wave: bool) -> None:
         result = Result(draw, wave, soak.now())
         soak.in_flight += 1
         try:
-            await asyncio.wait_for(send(soak.client, soak.url, soak.model, draw, soak.prompts, result),
+            await asyncio.wait_for(send(soak.client, soak.url, soak.model, draw, soak.prompts, result, soak.plugin),
                                    soak.args.request_timeout)
         except asyncio.TimeoutError:
             result.outcome = "error"
@@ -718,7 +736,7 @@ async def _soak(soak: Soak, name: str) -> None:
 class RunData:
     """One finished soak: the settings it ran with and everything it recorded."""
 
-    name: str  # "mixed" or "baseline"
+    name: str  # "mixed", "baseline" or "plain"
     command: str
     labels: list[str]
     left_out: list[str]  # registered policies the served model cannot use
@@ -731,6 +749,7 @@ class RunData:
     server_alive: bool  # the API server was still running when the soak ended
     log_errors: list[str]  # ERROR / Traceback lines of the server log
     leftover: list[int]  # engine-side pids still alive after the server stopped (killed by the soak)
+    plugin: bool = True  # False: vLLM's own server, without the plugin
 
 
 def model_facts(model_dir: Path) -> tuple[int, int]:
@@ -782,8 +801,10 @@ def reap(pids: Sequence[int], wait: float = 30.0) -> list[int]:
     return [process.pid for process in left]
 
 
-def soak_run(args: argparse.Namespace, name: str, labels: list[str], left_out: list[str], model_dir: Path) -> RunData:
-    """Start a server, soak it, stop it; everything recorded."""
+def soak_run(args: argparse.Namespace, name: str, labels: list[str], left_out: list[str], model_dir: Path,
+             plugin: bool = True) -> RunData:
+    """Start a server (``plugin`` False: vLLM's own, without the plugin), soak it, stop it;
+    everything recorded."""
     from vllm_kvcomp.eval.tasks.sizing import load_counter
 
     vocab, _ = model_facts(model_dir)
@@ -791,23 +812,25 @@ def soak_run(args: argparse.Namespace, name: str, labels: list[str], left_out: l
     drawer = Drawer(args.seed, labels, ratios, (args.min_prompt, args.max_prompt),
                     (args.min_output, args.max_output), args.max_len,
                     Shares(abort=args.abort_share, malformed=args.malformed_share, repeat=args.repeat_share),
-                    label_ratios=feasible_ratios(model_dir, labels, ratios))
+                    label_ratios=feasible_ratios(model_dir, labels, ratios), native_only=not plugin)
     prompts = Prompts(args.seed, vocab, load_counter(model_dir), drawer.doc_tokens)
     log = args.logs / f"soak_{name}.log"
     extra = ["--served-model-name", args.served_name, "--max-num-seqs", str(args.clients + args.wave_clients)]
-    print(f"[soak {name}] policies {', '.join(labels)}; starting the server (log: {log})", flush=True)
+    server = "vllm-kvcomp serve" if plugin else "vllm serve without the plugin"
+    print(f"[soak {name}] policies {', '.join(labels)}; starting {server} (log: {log})", flush=True)
     with served(args.model, args.pool_blocks, args.clients + args.wave_clients, args.max_len, log, extra,
-                prefix_caching=True) as url:
-        soak = Soak(url, args.served_name, args, drawer, prompts, ServerProcesses(int(url.rsplit(":", 1)[1])))
+                prefix_caching=True, plain=not plugin, env=SERVER_ENV) as url:
+        soak = Soak(url, args.served_name, args, drawer, prompts, ServerProcesses(int(url.rsplit(":", 1)[1])),
+                    plugin)
         asyncio.run(_soak(soak, name))
         alive, log_size = soak.processes.api.is_running(), log.stat().st_size
         engine_pids = soak.processes.snapshot()[1]
     settings = {key: getattr(args, key) for key in SETTINGS} | {"label_ratios": drawer.label_ratios}
     return RunData(name, args.command, labels, left_out, settings, soak.results, soak.samples, soak.idles, soak.waves,
-                   soak.now(), alive, log_errors(log, log_size), reap(engine_pids))
+                   soak.now(), alive, log_errors(log, log_size), reap(engine_pids), plugin)
 
 
-SETTINGS = ("trim_at_idle", "duration", "clients", "wave_clients", "wave_every", "wave_seconds", "idle_every", "pool_blocks",
+SETTINGS = ("trim_at_idle", "quarter", "duration", "clients", "wave_clients", "wave_every", "wave_seconds", "idle_every", "pool_blocks",
             "max_len", "min_prompt", "max_prompt", "min_output", "max_output", "ratios", "abort_share",
             "malformed_share", "repeat_share", "warmup", "window", "seed")
 
@@ -911,6 +934,7 @@ def summary_rows(run: RunData) -> dict[str, str]:
         "RSS start → end, MB (api + engine + worker)": f"{sum(first.values()):.0f} → {sum(last.values()):.0f}",
         **{f"RSS slope after warm-up, {role} (MB/h)": _f(v, 1, sign=True) for role, v in slopes.items()},
         **trimmed_rows(run),
+        "plugin memory bound (vllm:kvcomp_reserved_bytes), MiB": _f(last_sample.get(RESERVED, math.nan) / 2**20, 0),
         "preemptions (vllm:num_preemptions_total)": _f(preemptions(run), 0),
         "prefix-cache hits / queries (tokens)": f"{last_sample.get(PREFIX_HITS, 0):.0f} / {last_sample.get(PREFIX_QUERIES, 0):.0f}",
         "engine restarted (engine core / worker pids changed)": "yes" if restarted(run) else "no",
@@ -939,6 +963,72 @@ def trimmed_rows(run: RunData) -> dict[str, str]:
         "slope of the trimmed idle-point RSS after warm-up, worker / total (MB/h)":
             f"{_f(fit_slope(worker) * 3600, 1, sign=True)} / {_f(fit_slope(total) * 3600, 1, sign=True)}",
     }
+
+
+def quarters(run: RunData, quarter: float) -> list[dict[str, float]]:
+    """Per ``quarter`` seconds of the run (wall time): the worker's RSS at its end, the slope of
+    the worker's RSS within it (MB/h), the worker's RSS after ``malloc_trim`` at its last idle point
+    (NaN: none) and the requests sent in it."""
+    end = max((sample.t for sample in run.samples), default=0.0)
+    out = []
+    for k in range(max(1, math.ceil(end / quarter))):
+        low, high = k * quarter, (k + 1) * quarter
+        inside = [sample for sample in run.samples if low <= sample.t < high and "worker" in sample.rss]
+        trimmed = [p for p in run.idles if low <= p.t < high and "worker" in p.rss_trimmed]
+        out.append({"start": low, "end": min(high, end),
+                    "worker": inside[-1].rss["worker"] if inside else math.nan,
+                    "slope": fit_slope([(sample.t, sample.rss["worker"]) for sample in inside]) * 3600,
+                    "trimmed": trimmed[-1].rss_trimmed["worker"] if trimmed else math.nan,
+                    "sent": sum(low <= r.sent < high for r in run.results)})
+    return out
+
+
+def quarter_table(runs: Sequence[RunData], quarter: float) -> list[str]:
+    """The worker's RSS quarter by quarter, the runs side by side: a levelling-off shows as the
+    slope falling toward 0."""
+    per_run = [quarters(run, quarter) for run in runs]
+    head = "| quarter (s) | " + " | ".join(
+        f"{run.name}: worker RSS at its end, MB | slope within, MB/h | after malloc_trim at its idle point, MB | "
+        f"requests sent" for run in runs) + " |"
+    lines = [head, "|---|" + "---|" * 4 * len(runs)]
+    for k in range(max(len(rows) for rows in per_run)):
+        cells = [f"{k * quarter:.0f}–{(k + 1) * quarter:.0f}"]
+        for rows in per_run:
+            row = rows[k] if k < len(rows) else None
+            cells += ["-"] * 4 if row is None else [
+                _f(row["worker"], 0), _f(row["slope"], 0, sign=True), _f(row["trimmed"], 0), str(row["sent"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def against_plain(runs: Sequence[RunData]) -> list[str]:
+    """Each run with the plugin against the run without it: the worker's RSS slope after warm-up
+    (as sampled, and after ``malloc_trim`` at the idle points) as a ratio, and how much more RSS
+    the worker holds after the trim at each idle point (to set against the plugin's bound)."""
+    plain = next((run for run in runs if not run.plugin), None)
+    if plain is None:
+        return []
+    warmup = plain.settings["warmup"]
+
+    def trimmed(run: RunData) -> list[IdlePoint]:
+        return [p for p in run.idles if "worker" in p.rss_trimmed]
+
+    def trimmed_slope(run: RunData) -> float:
+        return fit_slope([(p.t, p.rss_trimmed["worker"]) for p in trimmed(run) if p.t >= warmup]) * 3600
+
+    base, base_trim = rss_slopes(plain.samples, warmup).get("worker", math.nan), trimmed_slope(plain)
+    lines = []
+    for run in runs:
+        if run is plain:
+            continue
+        slope, trim = rss_slopes(run.samples, warmup).get("worker", math.nan), trimmed_slope(run)
+        above = [a.rss_trimmed["worker"] - b.rss_trimmed["worker"] for a, b in zip(trimmed(run), trimmed(plain))]
+        lines += [f"- **{run.name} against {plain.name}**: worker RSS slope after warm-up {_f(slope, 1, sign=True)} vs "
+                  f"{_f(base, 1, sign=True)} MB/h = **{_f(slope / base if base else math.nan, 2)}x** as sampled; "
+                  f"after malloc_trim at the idle points {_f(trim, 1, sign=True)} vs {_f(base_trim, 1, sign=True)} MB/h"
+                  + (f"; the worker holds {', '.join(_f(a, 0, sign=True) for a in above)} MB more than "
+                     f"{plain.name}'s after the trim, idle point by idle point" if above else "")]
+    return lines
 
 
 def policy_table(run: RunData) -> list[str]:
@@ -1019,7 +1109,12 @@ def render(runs: Sequence[RunData], plot: Path | None) -> str:
     first = runs[0]
     s = first.settings
     rows = [summary_rows(run) for run in runs]
-    lines = [f"Through `vllm-kvcomp serve` on 127.0.0.1, prefix caching on, block size {BLOCK_SIZE}, a pool of "
+    servers = "`vllm-kvcomp serve`" + ("; the plain run through vLLM's own `vllm serve` without the plugin (its entry "
+                                       "point left out through `VLLM_PLUGINS`, the same flags and CPU defaults)"
+                                       if any(not run.plugin for run in runs) else "")
+    cores = ", ".join(f"{k}={v}" for k, v in SERVER_ENV.items())
+    lines = [f"Through {servers}; every server with {cores} (the same cores), on 127.0.0.1, prefix caching on, "
+             f"block size {BLOCK_SIZE}, a pool of "
              f"{s['pool_blocks']} blocks (max model length {s['max_len']}); {s['clients']} clients for "
              f"{s['duration']:g} s of load, waves of {s['wave_clients']} more for {s['wave_seconds']:g} s every "
              f"{s['wave_every']:g} s, idle points every {s['idle_every']:g} s of load; prompts "
@@ -1032,6 +1127,11 @@ def render(runs: Sequence[RunData], plot: Path | None) -> str:
         for run in runs]
     lines += ["", "| | " + " | ".join(run.name for run in runs) + " |", "|---|" + "---|" * len(runs)]
     lines += [f"| {key} | " + " | ".join(row.get(key, "-") for row in rows) + " |" for key in rows[0]]
+    compared = against_plain(runs)
+    if compared:
+        lines += ["", *compared]
+    lines += ["", f"The worker's RSS per {s.get('quarter', 900):g} s of the run:", "",
+              *quarter_table(runs, s.get("quarter", 900))]
     if plot is not None:
         lines += ["", f"![RSS, KV usage and p99 TTFT over time]({plot.name})"]
     for run in runs:
@@ -1120,6 +1220,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--clients", type=int, default=8, help="steady concurrent clients")
     add("--policies", default="all", help="'all' (none + every registered policy) or a comma list; 'none' = no header")
     add("--baseline", action="store_true", help="then run the same soak with full cache only (none, policy=full)")
+    add("--plain", action="store_true",
+        help="then run the same load (no compression setting, only the malformed requests vLLM refuses itself) on "
+             "vLLM's own server without the plugin (its entry point left out through VLLM_PLUGINS), the same "
+             "cores and flags: what vLLM's own memory does")
     add("--ratios", default="0.125,0.25,0.5")
     add("--min-prompt", type=int, default=256)
     add("--max-prompt", type=int, default=4096)
@@ -1139,6 +1243,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="at each idle point make every server process give its free heap back (glibc malloc_trim through "
              "gdb, which must be installed) and record RSS again: tells allocator retention from leaks")
     add("--warmup", type=float, default=180, help="seconds left out of the RSS slope fit")
+    add("--quarter", type=float, default=900, help="seconds per row of the RSS-over-time table")
     add("--window", type=float, default=120, help="seconds per latency window in the report")
     add("--pool-blocks", type=int, default=2 * 72, help="KV blocks of 32 tokens (default: ~two full 2K requests)")
     add("--max-requests", type=int, default=20000, help="stop drawing after this many requests")
@@ -1173,9 +1278,12 @@ def soak_all(args: argparse.Namespace) -> list[RunData]:
     plans = [("mixed" if any(label not in NO_COMPRESSION_WORDS for label in labels) else "baseline", labels)]
     if args.baseline:
         plans.append(("baseline", list(BASELINE_LABELS)))
+    if args.plain:
+        plans.append((PLAIN, [NO_HEADER]))
     runs = []
     for name, run_labels in plans:
-        data = soak_run(args, name, run_labels, left_out if run_labels is labels else [], model_dir)
+        data = soak_run(args, name, run_labels, left_out if run_labels is labels else [], model_dir,
+                        plugin=name != PLAIN)
         runs.append(data)
         write_records(data, args.out.with_name(f"{args.out.stem}_{name}.jsonl"))
     return runs
