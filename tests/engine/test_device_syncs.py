@@ -233,3 +233,25 @@ def test_no_collective_in_a_step_without_compression(tiny_model_dir, monkeypatch
             assert ranks.calls == before, "a collective in a step that compressed nothing"
             quiet += 1
     assert quiet >= 10 and ranks.calls > 0  # compressions did agree across ranks
+
+
+def test_a_packing_sends_its_rows_through_page_locked_memory(monkeypatch):
+    """``to_device`` (a packing's rows, a decision's page tables) copies to a CUDA device from
+    page-locked memory without waiting; the copy is recorded here, as this machine may have none."""
+    calls = []
+    to = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin") or self.clone())
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: calls.append(("to", *a, k)) or to(self, "cpu"))
+    host = torch.arange(6)
+    out = staging.to_device(host, torch.device("cuda"))
+    assert calls == ["pin", ("to", torch.device("cuda"), {"non_blocking": True})]
+    assert torch.equal(out, host)
+    calls.clear()
+    assert staging.to_device(host, torch.device("cpu")) is host and calls == [("to", torch.device("cpu"), {})]
+
+
+@pytest.mark.gpu
+def test_to_device_on_a_gpu_gives_the_same_values():
+    host = torch.randint(0, 1 << 20, (100_000,))
+    out = staging.to_device(host, torch.device("cuda"))
+    assert out.device.type == "cuda" and torch.equal(out.cpu(), host)

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from vllm_kvcomp import vllm_compat
 from vllm_kvcomp.engine import memory
 from vllm_kvcomp.engine.pages import Move, PageGeometry
+from vllm_kvcomp.engine.staging import to_device
 from vllm_kvcomp.kernels import cpu_native
 from vllm_kvcomp.policies.compensation import soft_cap
 
@@ -501,8 +502,8 @@ class CudaPagedCache(PagedCache):
         bs = self.geometry.block_size
         rows = self.pages.view(-1, 2 * self.head_dim)
         ordered, first = move.staged(bs)
-        src = (ordered.src_pages * bs + ordered.src_offsets).to(self.device)  # one transfer each
-        dst = (ordered.dst_pages * bs + ordered.dst_offsets).to(self.device)
+        src = to_device(ordered.src_pages * bs + ordered.src_offsets, self.device)  # one transfer each, pinned
+        dst = to_device(ordered.dst_pages * bs + ordered.dst_offsets, self.device)
         buffer = self.scratch("move_cells", (min(self.MOVE_CHUNK, len(ordered) - first), rows.shape[1]))
         held = rows.index_select(0, src[:first])
         for start in range(first, len(ordered), self.MOVE_CHUNK):

@@ -78,3 +78,14 @@ class HostStaging:
             self._events[slot] = event
         return tuple(t if place is None else device[place[0] : place[0] + place[1]].view(t.dtype).view(t.shape)
                      for t, place in zip(tensors, layout))
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device`` without a pageable copy: on CUDA through page-locked memory (torch's
+    caching host allocator, which keeps it until the copy has run) and ``non_blocking``, so the
+    host does not wait for the device; elsewhere as ``.to(device)``. For tensors made while a step
+    or a decision runs whose size is not known ahead (a packing's rows); a step's plan goes
+    through :class:`HostStaging`."""
+    if device.type != "cuda" or host.device.type != "cpu":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

@@ -47,7 +47,7 @@ from vllm_kvcomp.engine.metadata import (
 )
 from vllm_kvcomp.engine.offload import CompressionOffload, Decision
 from vllm_kvcomp.engine.pages import Move, RequestPages
-from vllm_kvcomp.engine.staging import HostStaging
+from vllm_kvcomp.engine.staging import HostStaging, to_device
 from vllm_kvcomp.engine.state import CompressedRequest, ObservedAttention, QueryWindow
 from vllm_kvcomp.params import SpecError
 from vllm_kvcomp.policies.base import (
@@ -439,7 +439,7 @@ class KVCompWorker:
         if reads:  # a head's virtual sequence is its table's pages in order: read whole pages, one gather
             # per layer when a policy asks for it (a cell-by-cell gather of heads of unequal lengths
             # cost ~3x as much per cell); one layer's K+V held at a time
-            reader = LayerReader(self.cache, tables.to(self.cache.device), lengths, state.policy.READS_VALUES)
+            reader = LayerReader(self.cache, to_device(tables, self.cache.device), lengths, state.policy.READS_VALUES)
         else:  # positions suffice (Policy.reads_cache): keys of the right shape, NaN, nothing read
             unread = torch.full((1, 1, 1), float("nan"), dtype=self.cache.dtype, device=self.cache.device)
         every_position = state.pages.positions(end)  # [L, H, n], right-aligned like the K/V
