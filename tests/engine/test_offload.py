@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 import torch
 
-from vllm_kvcomp.engine.offload import NICENESS, CompressionOffload, Decision
+from vllm_kvcomp.engine import offload as offload_module
+from vllm_kvcomp.engine.offload import NICENESS, CompressionOffload, Decision, Slices, StepClock
 from vllm_kvcomp.policies.base import Compensation, RequestState
 
 
@@ -45,7 +47,7 @@ def test_the_side_thread_yields_to_the_steps_threads():
     mine = torch.get_num_threads()  # (2, unless an engine earlier in this process bound this thread)
     offload = CompressionOffload(torch.device("cpu"))
     try:
-        decision = offload.launch(decide).result(timeout=60)
+        decision = offload.result(offload.launch(decide))
     finally:
         offload.close()
     assert seen["thread"] != threading.get_ident() and decision.seconds > 0
@@ -63,9 +65,94 @@ def test_a_failed_decision_surfaces_where_it_is_packed():
     try:
         future = offload.launch(decide)
         with pytest.raises(torch.OutOfMemoryError):
-            future.result(timeout=60)
+            offload.result(future)
     finally:
         offload.close()
+
+
+class Pieces:
+    """A decision of ``n`` pieces on the side thread, each recorded as it starts (a layer read)."""
+
+    def __init__(self, offload: CompressionOffload, n: int, seconds: float = 0.0):
+        self.done: list[int] = []
+        self.offload, self.n, self.seconds = offload, n, seconds
+
+    def __call__(self) -> Decision:
+        for i in range(self.n):
+            self.offload.checkpoint()
+            self.done.append(i)
+            time.sleep(self.seconds)
+        return _decision()
+
+
+def test_on_the_host_a_decision_runs_only_in_the_slices_steps_give_it():
+    offload = CompressionOffload(torch.device("cpu"))
+    first, second = Pieces(offload, 6, seconds=0.01), Pieces(offload, 2)
+    try:
+        futures = [offload.launch(first), offload.launch(second)]
+        time.sleep(0.2)
+        assert first.done == []  # no step yet: it waits for a slice
+        slices = []
+        while not futures[0].done():
+            before = len(first.done)
+            waited = offload.slices.run(0.015)
+            slices.append(len(first.done) - before)
+            time.sleep(0.05)  # the step's own work: the decision stays where the slice left it
+            assert len(first.done) == before + slices[-1]
+        # a slice of 15 ms runs pieces of 10 ms to the first checkpoint after it: 2 pieces each
+        # (1 where the side thread woke late), never more
+        assert sum(slices) == 6 and all(1 <= n <= 2 for n in slices) and 0 < waited < 1
+        assert second.done == []  # it starts in the next step's slice, not in the one that ended the first
+        offload.slices.run(0.015)
+        assert offload.result(futures[1]) is not None and second.done == [0, 1]
+    finally:
+        offload.close()
+
+
+def test_a_step_waiting_for_a_decision_lets_it_run_freely():
+    offload = CompressionOffload(torch.device("cpu"))
+    pieces = Pieces(offload, 40)
+    try:
+        decision = offload.result(offload.launch(pieces))
+    finally:
+        offload.close()
+    assert pieces.done == list(range(40)) and decision.end == 10
+
+
+def test_with_no_step_for_a_while_a_decision_runs_on(monkeypatch):
+    monkeypatch.setattr(offload_module, "IDLE_S", 0.1)
+    offload = CompressionOffload(torch.device("cpu"))
+    pieces = Pieces(offload, 5)
+    try:
+        future = offload.launch(pieces)
+        time.sleep(0.02)
+        assert pieces.done == []
+        assert future.result(timeout=10) is not None and pieces.done == list(range(5))
+    finally:
+        offload.close()
+
+
+def test_a_closed_offload_lets_the_decision_under_way_finish():
+    offload = CompressionOffload(torch.device("cpu"))
+    pieces = Pieces(offload, 3)
+    future = offload.launch(pieces)
+    offload.close(wait=True)
+    assert future.result(timeout=1) is not None and pieces.done == [0, 1, 2]
+
+
+def test_the_slice_is_a_share_of_the_median_step_less_the_slices(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(offload_module.time, "perf_counter", lambda: now[0])
+    clock = StepClock()
+    assert clock.slice() == offload_module.FIRST_SLICE_S
+    for step, sliced in [(0.030, 0.0), (0.040, 0.012), (0.020, 0.0), (0.500, 0.0)]:
+        clock.start()
+        clock.sliced(sliced)
+        now[0] += step
+    clock.start()
+    # steps 30, 40 - 12 = 28, 20, 500 ms: the median (upper of the middle two) is 30 ms
+    assert clock.slice() == pytest.approx(offload_module.SLICE_SHARE * 0.030)
+    assert Slices().run(1.0) == 0.0  # nothing under way: the step does not wait
 
 
 @pytest.mark.gpu

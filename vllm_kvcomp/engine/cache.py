@@ -31,6 +31,7 @@ import functools
 import math
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -559,11 +560,14 @@ class LayerReader:
     """A request's virtual sequences read for a decision one layer at a time: ``tables`` [L, H, W]
     (on the cache's device), ``lengths`` [L, H] (host). It keeps only the last layer it read
     (policies ask for a layer's keys and values more than once), so a decision holds one
-    layer's K+V of the request, not all of them (``PluginMemory``)."""
+    layer's K+V of the request, not all of them (``PluginMemory``). ``pause`` is called before
+    each layer is read (off the step on the host: where a decision's slice may end)."""
 
-    def __init__(self, cache: PagedCache, tables: torch.Tensor, lengths: torch.Tensor, values: bool):
+    def __init__(self, cache: PagedCache, tables: torch.Tensor, lengths: torch.Tensor, values: bool,
+                 pause: Callable[[], None] | None = None):
         self.cache, self.tables, self.lengths, self.values = cache, tables, lengths, values
         self.widths = lengths.amax(dim=1).tolist()
+        self.pause = pause
         self._last: tuple[int, Tensors] | None = None
 
     def layer(self, layer: int) -> Tensors:
@@ -571,6 +575,8 @@ class LayerReader:
         if self._last is not None and self._last[0] == layer:
             return self._last[1]
         self._last = None  # dropped before the next one is read
+        if self.pause is not None:
+            self.pause()
         read = self.cache.read_pages(self.tables[layer], self.values)
         width = self.widths[layer]
         aligned = tuple(None if x is None else right_aligned(x, self.lengths[layer], width) for x in read)

@@ -13,6 +13,10 @@ at exactly the ``k``-th step after the launch, waiting for the decision if it is
 (reproducible: the same steps give the same answer, as the oracle's ``lag``); ``0`` (the default
 on vLLM's CPU backend, see :func:`parse_lag`) decides and packs inside the step. Tensor-parallel engines decide inside the step (a policy's
 collectives over the ranks cannot run on a side thread).
+
+On the host the side thread would share the step's cores (and stretch every step it overlaps),
+so there a decision runs in :class:`Slices`: only while a step waits for it, for a share of a
+step at a time, stopping at its next layer read after that.
 """
 
 from __future__ import annotations
@@ -37,6 +41,16 @@ AUTO = "auto"
 #: step's threads (measured, bench stall at 2K: nice 0 made steps 2-7x longer while a decision ran,
 #: 5 1.6-1.8x, 10 1.3-1.5x, each decision then packed after more tokens)
 NICENESS = 10
+#: on the host, the most of a step a decision's slice takes: this share of the median step (the
+#: steps' own time, slices left out), so no step with compression work is 1.5x the median
+SLICE_SHARE = 0.4
+#: median of the last this many steps
+STEPS_TIMED = 16
+#: a slice before any step was timed
+FIRST_SLICE_S = 0.005
+#: a decision no step has given a slice for this long runs on freely (an idle engine stalls
+#: nothing; longer than a 2K-token prefill step on the CPU)
+IDLE_S = 5.0
 
 
 def parse_lag(value: object, platform: str | None = None) -> int | None:
@@ -92,13 +106,122 @@ class Decision:
         return torch.tensor([[len(idx) for idx in layer] for layer in self.kept])
 
 
+class Slices:
+    """On the host, the side thread's decisions run only while a step waits for them: the step's
+    thread calls :meth:`run` once a step, which lets the running decision work for a slice and
+    returns once it stops at its next :meth:`checkpoint` (each layer it reads) after the slice,
+    or ends. :meth:`unlimited` opens the gate (a step that must have a result waits for it anyway);
+    with no step for :data:`IDLE_S` a decision runs freely. A decision starts only in a slice, so
+    one ending in a slice leaves the next for the next step."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._until = 0.0  # the current slice ends then
+        self._stepped = time.perf_counter()  # the last step that gave a slice
+        self._open = 0  # unlimited() callers
+        self._running = False  # a decision is under way (between start and end)
+        self._held = False  # ... and waits at a checkpoint
+        self.slices = 0  # slices given (tests count them)
+
+    def _granted(self) -> bool:
+        now = time.perf_counter()
+        return self._open > 0 or now < self._until or now - self._stepped > IDLE_S
+
+    def checkpoint(self) -> None:
+        """The side thread, between pieces of a decision: wait for a slice unless in one."""
+        with self._cond:
+            while not self._granted():
+                self._held = True
+                self._cond.notify_all()
+                self._cond.wait(timeout=IDLE_S)
+            self._held = False
+
+    @contextlib.contextmanager
+    def decision(self):
+        """The side thread, around one decision: it starts in a slice; its end wakes the step."""
+        with self._cond:
+            self._running = True
+        try:
+            self.checkpoint()
+            yield
+        finally:
+            with self._cond:
+                self._running = self._held = False
+                self._until = 0.0  # the next decision starts in the next step's slice
+                self._cond.notify_all()
+
+    def run(self, seconds: float) -> float:
+        """The step's thread: let the decision under way work for ``seconds`` (to its next
+        checkpoint after them); the seconds waited (0 when none is under way)."""
+        start = time.perf_counter()
+        with self._cond:
+            self._stepped = start
+            if not self._running:
+                return 0.0
+            self.slices += 1
+            self._until = start + seconds
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: not self._running or (self._held and time.perf_counter() >= self._until))
+            self._until = 0.0
+            self._stepped = time.perf_counter()
+        return self._stepped - start
+
+    def release(self) -> None:
+        """Let every decision run freely from now on (the offload closes)."""
+        with self._cond:
+            self._open += 1
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def unlimited(self):
+        """The step's thread waits for a result: let decisions run freely meanwhile."""
+        with self._cond:
+            self._open += 1
+            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._open -= 1
+
+
+class StepClock:
+    """The length of the steps that bind, less the slices they gave: a slice's length."""
+
+    def __init__(self) -> None:
+        self._last: float | None = None
+        self._sliced = 0.0
+        self._steps: list[float] = []
+
+    def start(self) -> None:
+        """A step binds: the one before it ends."""
+        now = time.perf_counter()
+        if self._last is not None:
+            self._steps = [*self._steps[-(STEPS_TIMED - 1):], now - self._last - self._sliced]
+        self._last, self._sliced = now, 0.0
+
+    def sliced(self, seconds: float) -> None:
+        """The step gave a decision ``seconds``."""
+        self._sliced += seconds
+
+    def slice(self) -> float:
+        """:data:`SLICE_SHARE` of the median step."""
+        if not self._steps:
+            return FIRST_SLICE_S
+        ordered = sorted(self._steps)
+        return SLICE_SHARE * ordered[len(ordered) // 2]
+
+
 class CompressionOffload:
-    """One side thread making decisions in launch order (a side CUDA stream on a GPU)."""
+    """One side thread making decisions in launch order: on a GPU on a side CUDA stream, on the
+    host in :class:`Slices` that :meth:`step` gives once a step."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self._executor: ThreadPoolExecutor | None = None
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.slices = Slices() if self._stream is None else None
+        self._clock = StepClock()
 
     def launch(self, decide: Callable[[], Decision]) -> Future:
         """Run ``decide`` off the step; on a GPU its stream first waits for what the step's
@@ -107,10 +230,33 @@ class CompressionOffload:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcomp-compress",
                                                 initializer=None if self._stream is not None else _yielding_thread)
         if self._stream is None:
-            return self._executor.submit(self._timed, decide)
+            return self._executor.submit(self._sliced, decide)
         written = torch.cuda.Event()
         written.record(torch.cuda.current_stream(self.device))
         return self._executor.submit(self._on_stream, decide, written)
+
+    def _sliced(self, decide: Callable[[], Decision]) -> Decision:
+        with self.slices.decision():
+            return self._timed(decide)
+
+    def checkpoint(self) -> None:
+        """Called by a decision off the step between pieces of work (each layer it reads): on the
+        host it waits there for the next slice; a no-op on a GPU."""
+        if self.slices is not None:
+            self.slices.checkpoint()
+
+    def step(self) -> None:
+        """Once a step, as it binds: on the host, the decision under way gets its slice."""
+        if self.slices is not None:
+            self._clock.start()
+            self._clock.sliced(self.slices.run(self._clock.slice()))
+
+    def result(self, pending: Future) -> Decision:
+        """The decision of ``pending``, waited for (decisions run freely meanwhile)."""
+        if self.slices is None or pending.done():
+            return pending.result()
+        with self.slices.unlimited():
+            return pending.result()
 
     @staticmethod
     def _timed(decide: Callable[[], Decision]) -> Decision:
@@ -141,7 +287,9 @@ class CompressionOffload:
                 tensor.record_stream(stream)
 
     def close(self, wait: bool = False) -> None:
-        """Cancel the decisions not started; ``wait`` for the one running."""
+        """Cancel the decisions not started; ``wait`` for the one running (which runs freely)."""
         if self._executor is not None:
+            if self.slices is not None:
+                self.slices.release()
             self._executor.shutdown(wait=wait, cancel_futures=True)
             self._executor = None

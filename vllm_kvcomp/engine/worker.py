@@ -219,6 +219,8 @@ class KVCompWorker:
                     self._compress(r.req_id, state, r, end, decode=False)
             elif life.deferred_check():
                 self._recompress_if_due(r.req_id, state, r, r.num_computed)
+        if self.offload is not None:  # on the host, the decision under way gets this step's slice
+            self.offload.step()
 
     def _new_state(self, r: ScheduledRequest) -> CompressedRequest:
         """State for a new request; a spec that cannot be built (e.g. a missing calibration
@@ -422,7 +424,7 @@ class KVCompWorker:
             self._compress(rid, state, sched, end, decode=True)
 
     def _layer_inputs(self, state: CompressedRequest, block_ids: torch.Tensor, end: int, decode: bool,
-                      policy_state: RequestState) -> list[LayerKV]:
+                      policy_state: RequestState, pause: Callable[[], None] | None = None) -> list[LayerKV]:
         """Every layer's live K/V, right-aligned per head as policies expect: K/V and queries on
         the cache's device (policies score there and select on the host; reading a 32K-token
         request of an 8B model back to the host cost 2.8 s on an H100, docs/results/gpu_decide.md),
@@ -439,7 +441,8 @@ class KVCompWorker:
         if reads:  # a head's virtual sequence is its table's pages in order: read whole pages, one gather
             # per layer when a policy asks for it (a cell-by-cell gather of heads of unequal lengths
             # cost ~3x as much per cell); one layer's K+V held at a time
-            reader = LayerReader(self.cache, to_device(tables, self.cache.device), lengths, state.policy.READS_VALUES)
+            reader = LayerReader(self.cache, to_device(tables, self.cache.device), lengths, state.policy.READS_VALUES,
+                                 pause)
         else:  # positions suffice (Policy.reads_cache): keys of the right shape, NaN, nothing read
             unread = torch.full((1, 1, 1), float("nan"), dtype=self.cache.dtype, device=self.cache.device)
         every_position = state.pages.positions(end)  # [L, H, n], right-aligned like the K/V
@@ -532,7 +535,8 @@ class KVCompWorker:
                          end: int, decode: bool) -> Decision:
         """Off the step: the decision, and its packing planned where the spares it was sent suffice
         (the switch then only moves the cells)."""
-        decision = self.decide(frozen, block_ids, end, decode, frozen.policy_state)
+        decision = self.decide(frozen, block_ids, end, decode, frozen.policy_state, pause=self.offload.checkpoint)
+        self.offload.checkpoint()
         mine = self._spares_needed(frozen, decision) if self._copies(frozen, sched) else 0
         if mine <= len(sched.spares):  # as _plan_compaction picks them (one rank: no collective)
             destination = self._last_spares(sched, mine)
@@ -552,7 +556,7 @@ class KVCompWorker:
             return
         started, state.pending = time.perf_counter(), None
         try:
-            decision = pending.result()
+            decision = self.offload.result(pending)
         except (ValueError, RuntimeError, MemoryError) as err:  # the decision's: nothing was written
             if (kind := failure_kind(err)) is None:
                 raise
@@ -562,12 +566,13 @@ class KVCompWorker:
         self._switch(rid, state, sched, decision, sched.num_computed, started)
 
     def decide(self, state: CompressedRequest, block_ids: torch.Tensor, end: int, decode: bool,
-               policy_state: RequestState) -> Decision:
+               policy_state: RequestState, pause: Callable[[], None] | None = None) -> Decision:
         """The policy's selection at ``end`` tokens, deciding into ``policy_state``. Reads the
-        cache, writes nothing (safe off the step: see :mod:`~vllm_kvcomp.engine.offload`)."""
+        cache, writes nothing (safe off the step: see :mod:`~vllm_kvcomp.engine.offload`);
+        ``pause`` is called before each layer it reads (off the step: a slice's end)."""
         if not decode:
             state.policy.start_prefill_compression(policy_state)  # prefill=block: decides afresh
-        inputs = self._layer_inputs(state, block_ids, end, decode, policy_state)
+        inputs = self._layer_inputs(state, block_ids, end, decode, policy_state, pause)
         policy_state.page_quantum = (self.block_size, end % self.block_size)
         selections = [sel.cpu() for sel in state.policy.decide(inputs, policy_state)]
         before = torch.stack([kv.valid_lengths() for kv in inputs])  # [L, H]
