@@ -86,13 +86,13 @@ def arm_off_the_step(monkeypatch, target: tuple[bool, int], allocator: RefusingA
     targeted: list[object] = []
     decide, switch = KVCompWorker.decide, KVCompWorker._switch
 
-    def watched_decide(self, state, block_ids, end, decode, policy_state):
+    def watched_decide(self, state, block_ids, end, decode, policy_state, pause=None):
         rank = sum(1 for d in seen if d == decode)
         seen.append(decode)
         if (decode, rank) != target:
-            return decide(self, state, block_ids, end, decode, policy_state)
+            return decide(self, state, block_ids, end, decode, policy_state, pause)
         with allocator:  # a dispatch mode is per thread: entered on the side thread
-            decision = decide(self, state, block_ids, end, decode, policy_state)
+            decision = decide(self, state, block_ids, end, decode, policy_state, pause)
         targeted.append(decision)
         return decision
 

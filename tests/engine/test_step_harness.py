@@ -446,7 +446,7 @@ def test_h2o_decode_recompressions_read_observed_attention(make, monkeypatch, pa
     for cls, read in read_pages.items():
         monkeypatch.setattr(cls, "read_pages", lambda self, *a, read=read, **k: reads.append(decodes[-1]) or read(self, *a, **k))
     monkeypatch.setattr(KVCompWorker, "_compress", tracked)
-    monkeypatch.setattr(KVCompWorker, "decide", lambda self, *a: decided.append(a[3]) or decide(self, *a))
+    monkeypatch.setattr(KVCompWorker, "decide", lambda self, *a, **k: decided.append(a[3]) or decide(self, *a, **k))
     monkeypatch.setattr(H2O, "_add_window", staticmethod(
         lambda kv, memory, acc: observed.append(kv.observed is not None) or add_window(kv, memory, acc)))
     h = make(paged_cache=paged_cache)
