@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -121,7 +122,6 @@ class Slices:
         self._open = 0  # unlimited() callers
         self._running = False  # a decision is under way (between start and end)
         self._held = False  # ... and waits at a checkpoint
-        self.slices = 0  # slices given (tests count them)
 
     def _granted(self) -> bool:
         now = time.perf_counter()
@@ -158,7 +158,6 @@ class Slices:
             self._stepped = start
             if not self._running:
                 return 0.0
-            self.slices += 1
             self._until = start + seconds
             self._cond.notify_all()
             self._cond.wait_for(lambda: not self._running or (self._held and time.perf_counter() >= self._until))
@@ -167,7 +166,7 @@ class Slices:
         return self._stepped - start
 
     def release(self) -> None:
-        """Let every decision run freely from now on (the offload closes)."""
+        """Let every decision run freely (for good when the offload closes; :meth:`unlimited` takes it back)."""
         with self._cond:
             self._open += 1
             self._cond.notify_all()
@@ -175,9 +174,7 @@ class Slices:
     @contextlib.contextmanager
     def unlimited(self):
         """The step's thread waits for a result: let decisions run freely meanwhile."""
-        with self._cond:
-            self._open += 1
-            self._cond.notify_all()
+        self.release()
         try:
             yield
         finally:
@@ -206,10 +203,7 @@ class StepClock:
 
     def slice(self) -> float:
         """:data:`SLICE_SHARE` of the median step."""
-        if not self._steps:
-            return FIRST_SLICE_S
-        ordered = sorted(self._steps)
-        return SLICE_SHARE * ordered[len(ordered) // 2]
+        return SLICE_SHARE * statistics.median_high(self._steps) if self._steps else FIRST_SLICE_S
 
 
 class CompressionOffload:
