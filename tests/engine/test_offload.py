@@ -136,6 +136,9 @@ def test_a_closed_offload_lets_the_decision_under_way_finish():
     offload = CompressionOffload(torch.device("cpu"))
     pieces = Pieces(offload, 3)
     future = offload.launch(pieces)
+    deadline = time.monotonic() + 5
+    while not future.running() and time.monotonic() < deadline:  # under way: not just queued
+        time.sleep(0.001)
     offload.close(wait=True)
     assert future.result(timeout=1) is not None and pieces.done == [0, 1, 2]
 
