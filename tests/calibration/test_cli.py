@@ -37,7 +37,7 @@ def test_calibrate_all_writes_loadable_profiles(tiny_model_dir, capsys):
     code = main([
         "calibrate", "--model", str(tiny_model_dir), "--kind", "all", "--quiet", "--length", "12",
         "--repeats", "3", "--samples", "2", "--pod-samples", "2", "--pod-words", "40", "--pod-last", "4",
-        "--threads", "1", *DUO_SMALL,
+        "--threads", "1", *DUO_SMALL, *KVZAP_SMALL,
     ])
     assert code == 0
     summary = json.loads(capsys.readouterr().out)
@@ -51,8 +51,13 @@ def test_calibrate_all_writes_loadable_profiles(tiny_model_dir, capsys):
     assert sorted(x for g in pod.groups for x in g) == [0, 1, 2]
     duo = load_profile("duoattention", model_dir=tiny_model_dir)
     assert len(duo.gates) == 3 and summary["duoattention"]["path"].endswith("duoattention.json")
+    scorer = load_profile("kvzap", model_dir=tiny_model_dir)
+    assert len(scorer.weights) == 3 and summary["kvzap"]["r2"] == scorer.settings["r2"]
+    assert scorer.settings["samples"] == 3 and summary["kvzap"]["train_tokens"] == scorer.settings["train_tokens"] > 0
 
 
+#: small KVzap settings: three short texts, one held out
+KVZAP_SMALL = ("--kvzap-samples", "3", "--kvzap-holdout", "1", "--kvzap-words", "30", "--kvzap-needles", "1")
 #: small DuoAttention settings: a few steps on short samples (seconds)
 DUO_SMALL = ("--duo-steps", "3", "--duo-min-length", "16", "--duo-max-length", "32", "--duo-sink", "2",
              "--duo-recent", "4", "--duo-passkeys", "2", "--duo-passkey-words", "2")

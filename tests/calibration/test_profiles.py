@@ -198,7 +198,7 @@ def test_the_package_store_serves_any_copy_of_a_model(model_dir, tmp_path_factor
 
 
 def test_the_bundled_model_ships_both_profiles():
-    """The store holds a profile of every kind (razor, pod, duoattention) for the bundled SmolLM2
+    """The store holds a profile of every kind (razor, pod, duoattention, kvzap) for the bundled SmolLM2
     (so a default server runs every policy); they were made by `vllm-kvcomp calibrate --store`
     (docs/calibration.md)."""
     from vllm_kvcomp.calibration import profiles

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.tiny_llama import ENGINE_KV_CACHE_BYTES, make_tiny_llama
+from tests.helpers.tiny_llama import ENGINE_KV_CACHE_BYTES, make_tiny_llama, seeded_scorer
 
 BLOCK_SIZE = 32
 NUM_BLOCKS = 96  # a small pool: ~3K tokens, so preemption is easy to force
@@ -53,7 +53,8 @@ class Engine:
 
 
 #: calibration profiles written next to the tiny model (razor: retrieval KV heads; pod: groups;
-#: duoattention: gates [layer][KV head] whose retrieval heads, gate ≥ 0.5, are razor's)
+#: duoattention: gates [layer][KV head] whose retrieval heads, gate ≥ 0.5, are razor's; kvzap: a
+#: seeded scorer)
 RETRIEVAL_KV_HEADS = frozenset({(0, 1), (2, 0)})
 POD_GROUPS = ((0, 1), (2,))
 DUO_GATES = ((0.2, 0.9), (0.4, 0.0), (0.6, 0.1))
@@ -74,6 +75,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     save_profile(RetrievalHeadsProfile(model=model, kv_heads=RETRIEVAL_KV_HEADS), model_dir=path)
     save_profile(LayerGroupsProfile(model=model, groups=POD_GROUPS), model_dir=path)
     save_profile(HeadGatesProfile(model=model, gates=DUO_GATES), model_dir=path)
+    save_profile(seeded_scorer(path), model_dir=path)
     return path
 
 

@@ -35,6 +35,7 @@ SPECS = {  # small windows so that a 700-token prompt compresses several times
     "lagkv": {"ratio": 0.25, "sink": 4, "lag": 32},
     "razor": {"ratio": 0.25, "sink": 4, "buffer": 32},
     "duoattention": {"ratio": 0.5, "sink": 4},
+    "kvzap": {"ratio": 0.25, "sink": 4, "window": 8},
 }
 
 

@@ -214,3 +214,17 @@ def write_tiny_gguf(hf_dir: Path, gguf_path: Path, *, quantize_embeddings: bool 
     writer.write_tensors_to_file()
     writer.close()
     return Path(gguf_path)
+
+
+def seeded_scorer(model_dir: Path, seed: int = 0):
+    """A ``kvzap`` profile of seeded weights for the model in ``model_dir`` (its layers, KV heads
+    and head_dim): what a calibrated scorer gives the engine, without the calibration."""
+    from vllm_kvcomp.calibration.profiles import ModelIdentity, ScorerProfile
+
+    identity = ModelIdentity.from_model_dir(model_dir)
+    gen = torch.Generator().manual_seed(seed)
+    shape = (identity.num_layers, identity.num_kv_heads)
+    weights = torch.randn(*shape, identity.head_dim * 3 // 2, generator=gen, dtype=torch.float64)
+    bias = torch.randn(*shape, generator=gen, dtype=torch.float64)
+    return ScorerProfile(model=identity, weights=tuple(tuple(tuple(h.tolist()) for h in layer) for layer in weights),
+                         bias=tuple(tuple(row.tolist()) for row in bias))

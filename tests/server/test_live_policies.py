@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.tiny_llama import make_tiny_llama
+from tests.helpers.tiny_llama import make_tiny_llama, seeded_scorer
 from tests.server.conftest import TINY, chat_text, serving
 from vllm_kvcomp.calibration.profiles import (
     HeadGatesProfile,
@@ -23,14 +23,15 @@ HEADER = "X-KV-Compression"
 
 @pytest.fixture(scope="module")
 def readme_server(tmp_path_factory: pytest.TempPathFactory):
-    """A fresh model folder with razor, pod and duoattention profiles in ``kvcomp_profiles/``, served
-    with no config."""
+    """A fresh model folder with razor, pod, duoattention and kvzap profiles in ``kvcomp_profiles/``,
+    served with no config."""
     root = tmp_path_factory.mktemp("readme")
     model = make_tiny_llama(root / "tiny", **TINY)
     identity = ModelIdentity.from_model_dir(model)
     save_profile(RetrievalHeadsProfile(model=identity, kv_heads=frozenset({(0, 0), (2, 1)})), model_dir=model)
     save_profile(LayerGroupsProfile(model=identity, groups=((0, 1), (2,))), model_dir=model)
     save_profile(HeadGatesProfile(model=identity, gates=((0.9, 0.1), (0.2, 0.3), (0.0, 0.6))), model_dir=model)
+    save_profile(seeded_scorer(model), model_dir=model)
     with serving(root, model, None) as state:
         yield state
 

@@ -109,7 +109,7 @@ def test_allow_list_refuses_other_policies_naming_the_usable_ones():
     assert err.value.allowed == "full, lagkv"  # razor is allowed but has no profile
 
 
-@pytest.mark.parametrize("policy", ["razor", "pod", "duoattention"])
+@pytest.mark.parametrize("policy", ["razor", "pod", "duoattention", "kvzap"])
 def test_profile_methods_need_their_profile(policy):
     assert requires_profile(policy) == policy
     with pytest.raises(SpecError) as err:
@@ -145,8 +145,8 @@ def test_a_server_uses_the_profiles_found_for_its_model(tmp_path, monkeypatch):
     assert OperatorConfig.for_server(tmp_path / "op.yaml", str(model)).resolve(None).policy == "razor"
 
 
-def test_only_razor_pod_and_duoattention_need_profiles():
-    assert [p for p in POLICY_NAMES if requires_profile(p)] == ["razor", "pod", "duoattention"]
+def test_only_razor_pod_duoattention_and_kvzap_need_profiles():
+    assert [p for p in POLICY_NAMES if requires_profile(p)] == ["razor", "pod", "duoattention", "kvzap"]
 
 
 @pytest.mark.parametrize(
@@ -206,7 +206,7 @@ def test_bounds_accept_their_edges():
         ({"default": "lagkv", "allow": ["full"]}, "default.policy", "not in allow"),
         ({"default": "razor"}, "default.policy", "set profiles.razor"),
         ({"default": "lagkv; ratio=0.01"}, "default.ratio", "bounds"),
-        ({"profiles": {"lagkv": "x"}}, "profiles.lagkv", "'razor', 'pod' or 'duoattention'"),
+        ({"profiles": {"lagkv": "x"}}, "profiles.lagkv", "'razor', 'pod', 'duoattention' or 'kvzap'"),
         ({"profiles": {"razor": "Not A Name"}}, "profiles.razor", "neither a profile name"),
         ({"profiles": {"razor": 3}}, "profiles.razor", "string"),
     ],

@@ -534,12 +534,14 @@ def bench_compact(a: argparse.Namespace, measure: Measure, copy_gbps: float) -> 
 # ---------------------------------------------------------------------------- phase: decide
 def bench_profiles(layers: int, kv_heads: int, group: int, head_dim: int, seed: int = 4) -> dict:
     """Calibration data of every profile kind for the benchmark's model shape (the real model is
-    not here): a quarter of the KV heads retrieval heads, layers paired into groups, random gates."""
+    not here): a quarter of the KV heads retrieval heads, layers paired into groups, random gates, a
+    random kvzap scorer."""
     from vllm_kvcomp.calibration.profiles import (
         HeadGatesProfile,
         LayerGroupsProfile,
         ModelIdentity,
         RetrievalHeadsProfile,
+        ScorerProfile,
     )
 
     model = ModelIdentity.from_config({"model_type": "llama", "num_hidden_layers": layers,
@@ -549,11 +551,15 @@ def bench_profiles(layers: int, kv_heads: int, group: int, head_dim: int, seed: 
     pairs = [(layer, head) for layer in range(layers) for head in range(kv_heads)]
     retrieval = torch.randperm(len(pairs), generator=gen)[: max(1, len(pairs) // 4)].tolist()
     gates = torch.rand(layers, kv_heads, generator=gen)
+    weights = torch.randn(layers, kv_heads, head_dim * 3 // 2, generator=gen)
+    bias = torch.randn(layers, kv_heads, generator=gen)
     return {
         "razor": RetrievalHeadsProfile(model=model, kv_heads=frozenset(pairs[i] for i in retrieval)),
         "pod": LayerGroupsProfile(model=model, groups=tuple(tuple(range(i, min(i + 2, layers)))
                                                             for i in range(0, layers, 2))),
         "duoattention": HeadGatesProfile(model=model, gates=tuple(tuple(row) for row in gates.tolist())),
+        "kvzap": ScorerProfile(model=model, weights=tuple(tuple(tuple(h) for h in layer) for layer in weights.tolist()),
+                               bias=tuple(tuple(row) for row in bias.tolist())),
     }
 
 

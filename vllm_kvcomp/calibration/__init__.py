@@ -1,5 +1,5 @@
 """Offline per-model calibration: RazorAttention retrieval heads, POD layer groups, DuoAttention
-head gates, JSON profiles.
+head gates, KVzap scorers, JSON profiles.
 
 Importing this package is cheap; the transformers-based probing lives in :mod:`.probe`.
 """
@@ -11,6 +11,7 @@ from vllm_kvcomp.calibration.profiles import (
     Profile,
     ProfileError,
     RetrievalHeadsProfile,
+    ScorerProfile,
     bind_profile,
     load_for_policy,
     load_profile,
@@ -25,6 +26,7 @@ __all__ = [
     "Profile",
     "ProfileError",
     "RetrievalHeadsProfile",
+    "ScorerProfile",
     "bind_profile",
     "load_for_policy",
     "load_profile",

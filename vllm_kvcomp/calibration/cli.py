@@ -1,5 +1,5 @@
-"""``vllm-kvcomp calibrate``: measure RazorAttention retrieval heads, POD layer groups and/or
-train DuoAttention head gates.
+"""``vllm-kvcomp calibrate``: measure RazorAttention retrieval heads, POD layer groups, train
+DuoAttention head gates and/or a KVzap scorer.
 
 Runs the model with Hugging Face transformers on CPU in float32 and writes
 ``<model>/kvcomp_profiles/<kind>[.<name>].json`` (or into ``--out``).
@@ -11,11 +11,13 @@ import argparse
 import json
 from pathlib import Path
 
-from vllm_kvcomp.calibration import duo_attention, layer_groups, retrieval_heads
+from vllm_kvcomp.calibration import duo_attention, kvzap, layer_groups, retrieval_heads
 from vllm_kvcomp.calibration.profiles import (
     DEFAULT_NAME,
+    KINDS,
     PROFILE_DIRNAME,
     ModelIdentity,
+    Profile,
     ProfileError,
     check_name,
     profile_path,
@@ -28,6 +30,7 @@ examples (without --model: the bundled SmolLM2, fetched on first use):
   vllm-kvcomp calibrate --kind razor --out /tmp/profiles
   vllm-kvcomp calibrate --kind pod --delta 0.6 --out /tmp/profiles
   vllm-kvcomp calibrate --kind duoattention --threads 1 --out /tmp/profiles
+  vllm-kvcomp calibrate --kind kvzap --out /tmp/profiles
   vllm-kvcomp calibrate --kind razor --seed 1 --name seed1"""
 
 
@@ -35,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rh, lg = retrieval_heads.DEFAULTS, layer_groups.DEFAULTS
     parser.epilog = EXAMPLES
     parser.add_argument("--model", default=None, help="HF model folder (default: the bundled SmolLM2)")
-    parser.add_argument("--kind", choices=("razor", "pod", "duoattention", "all"), default="all",
+    parser.add_argument("--kind", choices=(*KINDS, "all"), default="all",
                         help="which profile(s); all: every kind (duoattention trains for tens of minutes)")
     parser.add_argument("--name", default=DEFAULT_NAME, help="profile name (default: %(default)s)")
     parser.add_argument("--out", default=None, help=f"output folder (default: <model>/{PROFILE_DIRNAME})")
@@ -68,6 +71,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ):
         default = duo_attention.DEFAULTS[key.replace("-", "_")]
         duo.add_argument(f"--duo-{key}", type=kind, default=default, help=f"{what} (default: {default})")
+    zap = parser.add_argument_group("kvzap (a scorer trained on KVzip's scores)")
+    for key, kind, what in (
+        ("samples", int, "texts replayed (the last --kvzap-holdout held out)"), ("holdout", int, "texts held out"),
+        ("words", int, "words per text"), ("needles", int, "facts with a number per text"),
+        ("ridge", float, "ridge penalty per row on standardised features"),
+    ):
+        default = kvzap.DEFAULTS[key]
+        zap.add_argument(f"--kvzap-{key}", type=kind, default=default, help=f"{what} (default: {default})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     model = load_hf_model(str(model_dir), threads=args.threads)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     progress = not args.quiet
-    kinds = ("razor", "pod", "duoattention") if args.kind == "all" else (args.kind,)
+    kinds = KINDS if args.kind == "all" else (args.kind,)
     summary: dict[str, object] = {"model": str(model_dir)}
     with hf_provider(model) as provider:
         if "razor" in kinds:
@@ -113,6 +124,15 @@ def run(args: argparse.Namespace) -> int:
             )
             path = _save(groups, model_dir, args.out)
             summary["pod"] = {"path": str(path), "groups": [list(g) for g in groups.groups]}
+        if "kvzap" in kinds:
+            bos = model.config.bos_token_id
+            scorer = kvzap.calibrate_kvzap(
+                provider, lambda text: tokenizer.encode(text, add_special_tokens=False), identity,
+                prefix=[bos] if bos is not None else [], seed=args.seed, name=args.name, progress=progress,
+                **{key: getattr(args, f"kvzap_{key}") for key in kvzap.DEFAULTS if key != "seed"},
+            )
+            path = _save(scorer, model_dir, args.out)
+            summary["kvzap"] = {"path": str(path), **{k: scorer.settings[k] for k in ("r2", "train_tokens", "seconds")}}
     if "duoattention" in kinds:
         summary["duoattention"] = _duoattention(args, model, tokenizer, identity, model_dir)
     print(json.dumps(summary, indent=1))
@@ -142,8 +162,7 @@ def _duoattention(args: argparse.Namespace, model: object, tokenizer: object, id
             "seconds": profile.settings["seconds"], "final_distill": profile.settings["final_distill"]}
 
 
-def _save(profile: retrieval_heads.RetrievalHeadsProfile | layer_groups.LayerGroupsProfile
-          | duo_attention.HeadGatesProfile, model_dir: Path, out: str | None) -> Path:
+def _save(profile: Profile, model_dir: Path, out: str | None) -> Path:
     if out is None:
         return save_profile(profile, model_dir=model_dir)
     return save_profile(profile, path=Path(out) / profile_path(".", profile.kind, profile.name).name)

@@ -8,14 +8,16 @@ of the model it was measured on (architecture numbers + a hash of them) and is v
 load, so a profile can never be applied to a model of another shape.
 
 Kinds: ``"razor"`` (:class:`RetrievalHeadsProfile`, RazorAttention retrieval heads),
-``"pod"`` (:class:`LayerGroupsProfile`, POD layer groups) and ``"duoattention"``
-(:class:`HeadGatesProfile`, DuoAttention's trained retrieval/streaming gates).
+``"pod"`` (:class:`LayerGroupsProfile`, POD layer groups), ``"duoattention"``
+(:class:`HeadGatesProfile`, DuoAttention's trained retrieval/streaming gates) and ``"kvzap"``
+(:class:`ScorerProfile`, a linear model per layer and KV head predicting KVzip's scores).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -28,7 +30,7 @@ PROFILE_DIRNAME = "kvcomp_profiles"
 #: profiles shipped with the package (the bundled model's), one folder per model identity
 STORE = Path(__file__).resolve().parent / "store"
 DEFAULT_NAME = "default"
-KINDS = ("razor", "pod", "duoattention")
+KINDS = ("razor", "pod", "duoattention", "kvzap")
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 # Config keys that fix the attention geometry; dtype, paths and versions are left out on purpose.
 _IDENTITY_KEYS = (
@@ -283,11 +285,52 @@ class HeadGatesProfile:
         return cls(model=model, gates=_table(data.get("gates"), "gates"), threshold=float(threshold), **common)
 
 
-Profile = RetrievalHeadsProfile | LayerGroupsProfile | HeadGatesProfile
-_CLASSES: dict[str, type[RetrievalHeadsProfile] | type[LayerGroupsProfile] | type[HeadGatesProfile]] = {
+@dataclass(frozen=True)
+class ScorerProfile:
+    """A ``kvzap`` scorer of one model: per (layer, KV head) a linear model over a token's cache
+    features (its value, then its key's rotary-pair norms: 3D/2 numbers,
+    :func:`vllm_kvcomp.policies.kvzap.cache_features`) predicting the log of its KVzip score;
+    ``weights`` [L][H_kv][3D/2], ``bias`` [L][H_kv]. ``settings`` records how it was trained and
+    its fit on held-out text (``r2``)."""
+
+    kind: ClassVar[str] = "kvzap"
+
+    model: ModelIdentity
+    weights: tuple[tuple[tuple[float, ...], ...], ...]
+    bias: tuple[tuple[float, ...], ...]
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    name: str = DEFAULT_NAME
+
+    def validate(self) -> None:
+        m = self.model
+        features = m.head_dim + m.head_dim // 2
+        if len(self.weights) != m.num_layers or any(len(layer) != m.num_kv_heads for layer in self.weights) \
+                or any(len(head) != features for layer in self.weights for head in layer):
+            raise ProfileError(f"weights must be {m.num_layers} layers of {m.num_kv_heads} KV heads of {features} "
+                               "numbers (head_dim + head_dim / 2)")
+        if len(self.bias) != m.num_layers or any(len(r) != m.num_kv_heads for r in self.bias):
+            raise ProfileError(f"bias must be {m.num_layers} rows of {m.num_kv_heads} values (one per KV head)")
+        if not all(math.isfinite(x) for layer in self.weights for head in layer for x in head) \
+                or not all(math.isfinite(x) for row in self.bias for x in row):
+            raise ProfileError("weights and bias must be finite numbers")
+
+    def data(self) -> dict[str, Any]:
+        return {"weights": [[list(head) for head in layer] for layer in self.weights],
+                "bias": [list(r) for r in self.bias]}
+
+    @classmethod
+    def from_data(cls, model: ModelIdentity, data: Mapping[str, Any], **common: Any) -> ScorerProfile:
+        layers = _list(data.get("weights"), "data.weights")
+        weights = tuple(_table(layer, "weights") for layer in layers)
+        return cls(model=model, weights=weights, bias=_table(data.get("bias"), "bias"), **common)
+
+
+Profile = RetrievalHeadsProfile | LayerGroupsProfile | HeadGatesProfile | ScorerProfile
+_CLASSES: dict[str, type[Profile]] = {
     "razor": RetrievalHeadsProfile,
     "pod": LayerGroupsProfile,
     "duoattention": HeadGatesProfile,
+    "kvzap": ScorerProfile,
 }
 
 
@@ -441,6 +484,8 @@ def bind_profile(policy: Any, profile: Profile) -> Any:
         return replace(policy, retrieval_heads=profile.kv_heads)
     if isinstance(profile, HeadGatesProfile):
         return replace(policy, gates=profile.gates, threshold=profile.threshold)
+    if isinstance(profile, ScorerProfile):
+        return replace(policy, weights=profile.weights, bias=profile.bias)
     return replace(policy, groups=profile.groups)
 
 

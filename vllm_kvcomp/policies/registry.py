@@ -34,6 +34,7 @@ POLICIES: dict[str, str] = {
     "expected_attention": "expected_attention:ExpectedAttention",
     "criticalkv": "criticalkv:CriticalKV",
     "duoattention": "duoattention:DuoAttention",
+    "kvzap": "kvzap:KVzap",
 }
 #: the names when this module was imported (for import-time uses: type literals, schemas, test
 #: parameters); :func:`policy_names` reads :data:`POLICIES` when called

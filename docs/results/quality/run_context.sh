@@ -10,7 +10,7 @@
 #   RATIOS=0.25 bash docs/results/quality/run_context.sh     # the leaderboard's operating point only
 #
 # One `vllm-kvcomp eval` through a default `vllm-kvcomp serve` (every policy allowed, shipped
-# calibration profiles for razor / pod / duoattention), greedy, prompts fixed by --seed 0, 20
+# calibration profiles for razor / pod / duoattention / kvzap), greedy, prompts fixed by --seed 0, 20
 # samples per (task, condition), sample-major (an interrupted run leaves every cell with about
 # the same n). Two policies cannot reach 0.25 with this model's shipped profiles (the server
 # answers 400 naming the feasible range): razor's 24 retrieval heads hold 0.267 of the cache by
@@ -35,7 +35,7 @@ SCOPE=${SCOPE:-context}
 OUT=docs/results/quality/context_$SCOPE.jsonl
 RATIOS=${RATIOS:-0.5,0.25,0.125}
 POLICIES="full,streamingllm,snapkv,h2o,knorm,sagekv,lagkv,entropy,pod"
-POLICIES+=",keydiff,tova,pyramidkv,expected_attention,criticalkv"
+POLICIES+=",keydiff,tova,pyramidkv,expected_attention,criticalkv,kvzap"
 # the calibrated-head policies at the ratios their head split allows (pinned: the others are refused)
 POLICIES+=",razor:ratio=0.3,duoattention:sparsity=0.9:ratio=0.25,duoattention:sparsity=0.8:ratio=0.25"
 [[ ",$RATIOS," == *,0.5,* ]] && POLICIES+=",razor:ratio=0.5,duoattention:ratio=0.5,duoattention:sparsity=0.8:ratio=0.5"
