@@ -113,6 +113,13 @@ def test_calibrate_makes_a_valid_profile_with_its_held_out_fit():
     assert isinstance(profile, ScorerProfile) and from_json(to_json(profile)) == profile
     assert len(profile.weights) == 2 and len(profile.weights[0]) == 2 and len(profile.weights[0][0]) == 12
     assert profile.settings["r2"] <= 1 and len(profile.settings["r2_layers"]) == 2
+    assert profile.settings["r2_over_layers"] == [0, 1]
+    with hf_provider(model) as provider:  # Gemma 3: the fit is judged on the layers the engine compresses
+        one = kvzap.calibrate_kvzap(provider, lambda t: [1 + len(w) % 60 for w in t.split()], identity,
+                                    samples=3, holdout=1, words=40, needles=1, prefix=[0], compressed=[1],
+                                    progress=False)
+    assert one.settings["r2"] == pytest.approx(one.settings["r2_layers"][1], abs=1e-4)
+    assert one.settings["r2_over_layers"] == [1] and one.weights == profile.weights
     with pytest.raises(ValueError, match="holdout"):
         kvzap.calibrate_kvzap(provider, str.split, identity, samples=2, holdout=2)
 

@@ -142,8 +142,11 @@ def calibrate_kvzap(provider: AttentionProvider, encode: Encode, identity: Model
                     samples: int = DEFAULTS["samples"], holdout: int = DEFAULTS["holdout"],
                     words: int = DEFAULTS["words"], needles: int = DEFAULTS["needles"],
                     ridge: float = DEFAULTS["ridge"], seed: int = DEFAULTS["seed"], prefix: Sequence[int] = (),
-                    name: str = "default", progress: bool = True) -> ScorerProfile:
-    """Replay ``samples`` texts, fit on all but the last ``holdout``, measure R² on those."""
+                    compressed: Sequence[int] | None = None, name: str = "default",
+                    progress: bool = True) -> ScorerProfile:
+    """Replay ``samples`` texts, fit on all but the last ``holdout``, measure R² on those: its mean
+    over the ``compressed`` layers (default: all; Gemma 3: its full-attention layers, the others
+    stay vLLM's and see only a sliding window of the replay)."""
     if not 1 <= holdout < samples:
         raise ValueError(f"need 1 <= holdout < samples, got holdout {holdout}, samples {samples}")
     started = time.perf_counter()
@@ -154,8 +157,10 @@ def calibrate_kvzap(provider: AttentionProvider, encode: Encode, identity: Model
     y = torch.cat([s for _, s in train], dim=2)
     weights, bias = fit_ridge(x, y, ridge)
     r2 = r_squared(torch.cat([f for f, _ in test], dim=2), torch.cat([s for _, s in test], dim=2), weights, bias)
+    layers = list(range(identity.num_layers)) if compressed is None else sorted(compressed)
     settings = {"samples": samples, "holdout": holdout, "words": words, "needles": needles, "ridge": ridge,
-                "seed": seed, "train_tokens": int(y.shape[-1]), "r2": round(float(r2.mean()), 4),
+                "seed": seed, "train_tokens": int(y.shape[-1]), "r2": round(float(r2[layers].mean()), 4),
+                "r2_over_layers": layers,
                 "r2_layers": [round(float(v), 4) for v in r2.mean(dim=1)],
                 "seconds": round(time.perf_counter() - started, 1),
                 "teacher": "kvzip: max attention over the repeated context and the query group, log",
