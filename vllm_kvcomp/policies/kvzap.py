@@ -68,8 +68,24 @@ def predicted_scores(keys: torch.Tensor, values: torch.Tensor, weights: torch.Te
     product and a sum over the features per token (not a matrix product, whose blocking may sum
     two equal rows in different orders): equal features give equal scores."""
     features = cache_features(keys, values)
-    w = weights.to(features.device, features.dtype)
-    return (features * w.unsqueeze(1)).sum(-1) + bias.to(features.device, features.dtype).unsqueeze(1)
+    w, b = weights.to(features.device, features.dtype), bias.to(features.device, features.dtype)
+    return (features * w.unsqueeze(1)).sum(-1) + b.unsqueeze(1)
+
+
+#: (id of a profile's weights, device, dtype) -> (those weights, their tensors there): a served
+#: profile's scorer is placed once, not at every decision (the policy is built per request)
+_PLACED: dict[tuple[int, torch.device, torch.dtype], tuple[Any, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+def placed_scorer(weights: Any, bias: Any, device: torch.device, dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weights`` [L][H][F] and ``bias`` [L][H] (a profile's nested tuples) as tensors on ``device``."""
+    key = (id(weights), device, dtype)
+    entry = _PLACED.get(key)
+    if entry is None or entry[0] is not weights:
+        entry = _PLACED[key] = (weights, (torch.tensor(weights, dtype=dtype).to(device),
+                                          torch.tensor(bias, dtype=dtype).to(device)))
+    return entry[1]
 
 
 @dataclass
@@ -104,17 +120,13 @@ class KVzap(HeadsChoice, ScorePolicy):
     def check(self) -> None:
         check_profile_name(self.profile)
 
-    def __post_init__(self) -> None:
-        self._tensors: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def _layer_weights(self, kv: LayerKV, state: RequestState) -> tuple[torch.Tensor, torch.Tensor]:
+    def _layer_weights(self, kv: LayerKV, state: RequestState, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's [H_kv, F] weights and [H_kv] bias of this rank's KV heads (the profile names
-        the model's), checked against them."""
+        the model's), checked against them, where ``keys`` are and in the precision they are scored in."""
         if self.weights is None or self.bias is None:
             raise ValueError("kvzap has no trained scorer bound: create one with `vllm-kvcomp calibrate --kind kvzap`")
-        if self._tensors is None:
-            self._tensors = (torch.tensor(self.weights, dtype=torch.float64), torch.tensor(self.bias, dtype=torch.float64))
-        weights, bias = self._tensors
+        weights, bias = placed_scorer(self.weights, self.bias, keys.device,
+                                      torch.float64 if keys.dtype == torch.float64 else torch.float32)
         h, _, d = kv.key_shape
         first = state.ranks.rank * h
         if kv.layer >= weights.shape[0] or weights.shape[1] < first + h or weights.shape[2] != feature_count(d):
@@ -129,5 +141,6 @@ class KVzap(HeadsChoice, ScorePolicy):
 
     def score(self, kv: LayerKV, state: RequestState) -> torch.Tensor:
         """[H_kv, N] predicted log KVzip score (higher = keep)."""
-        weights, bias = self._layer_weights(kv, state)
-        return predicted_scores(kv.keys, kv.values, weights, bias)
+        keys = kv.keys
+        weights, bias = self._layer_weights(kv, state, keys)
+        return predicted_scores(keys, kv.values, weights, bias)
