@@ -18,7 +18,7 @@ cd "$(dirname "$0")/../../.."
 PORT=${PORT:-8768}
 OUT=docs/results/quality/gemma.jsonl
 MODEL_DIR=${MODEL_DIR:-$HOME/.cache/vllm-kvcomp/models/gemma-3-270m}
-POLICIES="full,streamingllm,snapkv,h2o,knorm,sagekv,lagkv,entropy,pod,keydiff,tova,pyramidkv,expected_attention,criticalkv"
+POLICIES="full,streamingllm,snapkv,h2o,knorm,sagekv,lagkv,entropy,pod,keydiff,tova,pyramidkv,expected_attention,criticalkv,kvzap"
 EVAL=(python3 -m vllm_kvcomp eval --model gemma-3-270m --api completions --tokenizer "$MODEL_DIR"
       --tasks passkey5,niah --policies "$POLICIES" --ratios 0.25 --lengths 2k
       --depths 0,25,50,75,100 --samples "${SAMPLES:-20}" --seed 0
