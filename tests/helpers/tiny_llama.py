@@ -226,5 +226,4 @@ def seeded_scorer(model_dir: Path, seed: int = 0):
     shape = (identity.num_layers, identity.num_kv_heads)
     weights = torch.randn(*shape, identity.head_dim * 3 // 2, generator=gen, dtype=torch.float64)
     bias = torch.randn(*shape, generator=gen, dtype=torch.float64)
-    return ScorerProfile(model=identity, weights=tuple(tuple(tuple(h.tolist()) for h in layer) for layer in weights),
-                         bias=tuple(tuple(row.tolist()) for row in bias))
+    return ScorerProfile.from_arrays(identity, weights, bias)

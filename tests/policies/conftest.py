@@ -44,14 +44,8 @@ OUT_HIDDEN = 16
 #: a model of the test requests' shape: 2 layers, up to 4 KV heads
 TEST_MODEL = ModelIdentity.from_config({"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 8,
                                         "num_key_value_heads": 4, "hidden_size": 64})
-def _scorer_weights(seed: int = 0) -> tuple[tuple, tuple]:
-    """Seeded kvzap weights [2][4][12] and bias [2][4] for :data:`TEST_MODEL` (head_dim 8)."""
-    gen = torch.Generator().manual_seed(seed)
-    weights, bias = torch.randn(2, 4, 12, generator=gen), torch.randn(2, 4, generator=gen)
-    return (tuple(tuple(tuple(h.tolist()) for h in layer) for layer in weights),
-            tuple(tuple(row.tolist()) for row in bias))
-
-
+#: seeded kvzap weights [2][4][12] and bias [2][4] for :data:`TEST_MODEL` (head_dim 8)
+_SCORER = torch.Generator().manual_seed(0)
 #: calibration data per profile kind (``Policy.PROFILE``): retrieval heads in both layers and in
 #: both tensor-parallel halves of 4 heads; one group of both layers; DuoAttention gates whose
 #: retrieval heads (gate ≥ 0.5) are razor's; a seeded kvzap scorer
@@ -59,7 +53,8 @@ TEST_PROFILES: dict[str, Profile] = {
     "razor": RetrievalHeadsProfile(model=TEST_MODEL, kv_heads=frozenset({(0, 0), (0, 3), (1, 2)})),
     "pod": LayerGroupsProfile(model=TEST_MODEL, groups=((0, 1),)),
     "duoattention": HeadGatesProfile(model=TEST_MODEL, gates=((0.9, 0.1, 0.2, 0.8), (0.3, 0.0, 0.7, 0.4))),
-    "kvzap": ScorerProfile(TEST_MODEL, *_scorer_weights()),
+    "kvzap": ScorerProfile.from_arrays(TEST_MODEL, torch.randn(2, 4, 12, generator=_SCORER),
+                                       torch.randn(2, 4, generator=_SCORER)),
 }
 
 

@@ -558,8 +558,7 @@ def bench_profiles(layers: int, kv_heads: int, group: int, head_dim: int, seed: 
         "pod": LayerGroupsProfile(model=model, groups=tuple(tuple(range(i, min(i + 2, layers)))
                                                             for i in range(0, layers, 2))),
         "duoattention": HeadGatesProfile(model=model, gates=tuple(tuple(row) for row in gates.tolist())),
-        "kvzap": ScorerProfile(model=model, weights=tuple(tuple(tuple(h) for h in layer) for layer in weights.tolist()),
-                               bias=tuple(tuple(row) for row in bias.tolist())),
+        "kvzap": ScorerProfile.from_arrays(model, weights, bias),
     }
 
 

@@ -20,6 +20,7 @@ from vllm_kvcomp.calibration.profiles import (
     Profile,
     ProfileError,
     check_name,
+    compressed_layers,
     profile_path,
     save_profile,
     store_dir,
@@ -129,8 +130,7 @@ def run(args: argparse.Namespace) -> int:
             scorer = kvzap.calibrate_kvzap(
                 provider, lambda text: tokenizer.encode(text, add_special_tokens=False), identity,
                 prefix=[bos] if bos is not None else [], seed=args.seed, name=args.name, progress=progress,
-                compressed=[i for i, kind in enumerate(getattr(model.config, "layer_types", None) or [])
-                            if kind == "full_attention"] or None,
+                compressed=compressed_layers(getattr(model.config, "layer_types", None)) or None,
                 **{key: getattr(args, f"kvzap_{key}") for key in kvzap.DEFAULTS if key != "seed"},
             )
             path = _save(scorer, model_dir, args.out)

@@ -165,12 +165,4 @@ def calibrate_kvzap(provider: AttentionProvider, encode: Encode, identity: Model
                 "seconds": round(time.perf_counter() - started, 1),
                 "teacher": "kvzip: max attention over the repeated context and the query group, log",
                 "features": "value, key rotary-pair norms (NeoX layout)"}
-    return ScorerProfile(model=identity, weights=_nested(weights), bias=_nested(bias), settings=settings, name=name)
-
-
-def _nested(t: torch.Tensor) -> Any:
-    """Nested tuples of floats to 7 significant digits (float32's precision, what the scorer
-    multiplies in; half the JSON of full float64 digits)."""
-    if t.dim() == 1:
-        return tuple(float(f"{v:.7g}") for v in t.tolist())
-    return tuple(_nested(row) for row in t)
+    return ScorerProfile.from_arrays(identity, weights, bias, settings=settings, name=name)

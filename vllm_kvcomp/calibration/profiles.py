@@ -319,6 +319,19 @@ class ScorerProfile:
                 "bias": [list(r) for r in self.bias]}
 
     @classmethod
+    def from_arrays(cls, model: ModelIdentity, weights: Any, bias: Any, **common: Any) -> ScorerProfile:
+        """From ``weights`` [L][H_kv][3D/2] and ``bias`` [L][H_kv] (tensors or nested lists), each
+        number to 7 significant digits (float32's precision, what the scorer multiplies in; half
+        the JSON of float64's digits)."""
+        def nested(x: Any) -> Any:
+            return tuple(nested(v) for v in x) if isinstance(x, list) else float(f"{x:.7g}")
+
+        def as_list(a: Any) -> Any:
+            return a.tolist() if hasattr(a, "tolist") else a
+
+        return cls(model=model, weights=nested(as_list(weights)), bias=nested(as_list(bias)), **common)
+
+    @classmethod
     def from_data(cls, model: ModelIdentity, data: Mapping[str, Any], **common: Any) -> ScorerProfile:
         layers = _list(data.get("weights"), "data.weights")
         weights = tuple(_table(layer, "weights") for layer in layers)
@@ -343,6 +356,15 @@ def check_groups(groups: Any, num_layers: int) -> tuple[tuple[int, ...], ...]:
             f"got {[list(g) for g in groups]}"
         )
     return tuple(tuple(int(x) for x in g) for g in groups)
+
+
+def compressed_layers(layer_types: Any) -> list[int] | None:
+    """The layers the engine compresses when a model's config names each layer's attention
+    (``layer_types``, e.g. Gemma 3: its full-attention ones; the sliding-window layers stay
+    vLLM's); None: every layer (no ``layer_types``)."""
+    if not layer_types:
+        return None
+    return [i for i, kind in enumerate(layer_types) if kind == "full_attention"]
 
 
 # ---------------------------------------------------------------------------- files

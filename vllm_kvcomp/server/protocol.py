@@ -310,11 +310,13 @@ def _compressed_layers(model: str) -> frozenset[int] | None:
     """The layers the engine compresses when ``model``'s config names each layer's attention
     (``layer_types``, e.g. Gemma 3: the full-attention ones; the sliding-window layers stay
     vLLM's); None: every layer (or the config cannot be read: the engine says so)."""
+    from vllm_kvcomp.calibration.profiles import compressed_layers
+
     try:
-        types = json.loads((Path(model) / "config.json").read_text()).get("layer_types")
+        layers = compressed_layers(json.loads((Path(model) / "config.json").read_text()).get("layer_types"))
     except (OSError, ValueError):
         return None
-    return frozenset(i for i, kind in enumerate(types) if kind == "full_attention") if types else None
+    return None if layers is None else frozenset(layers)
 
 
 @functools.lru_cache(maxsize=8)
